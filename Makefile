@@ -1,0 +1,35 @@
+# millpond: `make run` serves, `make test` tests. Both create .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+ARGS   ?=
+
+.PHONY: venv run test bench proto docker clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)  ## start the server on 127.0.0.1:50051 (extra flags: make run ARGS="--port 6000")
+	$(VENV)/bin/millpond serve $(ARGS)
+
+test: $(STAMP)  ## the whole test suite
+	$(PY) -m pytest $(ARGS)
+
+bench: $(STAMP)  ## throughput and memory figures (not a test)
+	$(PY) bench/bench.py $(ARGS)
+
+proto: $(STAMP)  ## regenerate client/millpond/v1 from proto/
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=client --pyi_out=client \
+	    --grpc_python_out=client proto/millpond/v1/replay.proto
+
+docker:  ## build the image (needs a Docker engine)
+	docker build -f docker/Dockerfile -t millpond:latest .
+
+clean:
+	rm -rf $(VENV) build *.egg-info client/*.egg-info .pytest_cache .hypothesis

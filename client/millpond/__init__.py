@@ -1,0 +1,36 @@
+"""millpond: an experience-replay server and the buffers it serves.
+
+In-process::
+
+    buf = millpond.MmapReplayBuffer(10_000, 1_000_000, obs_dim=4, act_dim=1,
+                                    cold_path="/tmp/replay.cold")
+
+Remote (same methods, same results, same exceptions)::
+
+    buf = millpond.MmapReplayBuffer(10_000, 1_000_000, obs_dim=4, act_dim=1,
+                                    address="localhost:50051", name="cartpole")
+"""
+
+from .api import Buffer, MmapReplayBuffer, ReplayBuffer
+from .core import Field, Schema
+from .errors import (
+    BufferClosedError,
+    BufferNotFoundError,
+    ConfigMismatchError,
+    CorruptFileError,
+    DeadlineExceededError,
+    DTypeMismatchError,
+    FieldMismatchError,
+    InternalError,
+    InvalidArgumentError,
+    InvalidBatchSizeError,
+    InvalidConfigError,
+    MessageTooLargeError,
+    NotEnoughDataError,
+    ReplayError,
+    ServerUnavailableError,
+    ShapeMismatchError,
+    StorageFullError,
+)
+
+__version__ = "0.1.0"

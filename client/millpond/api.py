@@ -1,0 +1,191 @@
+"""The buffer classes users construct: the reference API, local or remote.
+
+``ReplayBuffer`` and ``MmapReplayBuffer`` take the reference constructor
+arguments. Without ``address`` they run the engine in-process; with
+``address="host:port"`` and ``name=...`` the same object talks to a millpond
+server. Either way the methods, results and exceptions are the same.
+
+This module only binds the reference's call signatures to field names; the
+backend (:class:`millpond.core.TieredBuffer` or
+:class:`millpond.remote.RemoteBuffer`) does the work.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from .core import Schema, TieredBuffer
+from .errors import FieldMismatchError
+
+# The reference's positional order for push and push_batch of transitions,
+# and the argument names it uses for each field.
+_PUSH_ORDER = ("obs", "actions", "rewards", "terminated", "truncated", "next_obs")
+_PUSH_BATCH_ORDER = ("obs", "next_obs", "actions", "rewards", "terminated", "truncated")
+_ALIASES = {
+    "action": "actions",
+    "reward": "rewards",
+    "obs_batch": "obs",
+    "next_obs_batch": "next_obs",
+    "actions_batch": "actions",
+}
+
+
+class Buffer:
+    """A replay buffer handle; see :class:`ReplayBuffer` for the methods."""
+
+    def __init__(self, backend: Any):
+        self._backend = backend
+
+    @property
+    def schema(self) -> Schema:
+        return self._backend.schema
+
+    @property
+    def hot_capacity(self) -> int:
+        return self._backend.hot_capacity
+
+    @property
+    def total_capacity(self) -> int:
+        return self._backend.total_capacity
+
+    def __len__(self) -> int:
+        return len(self._backend)
+
+    def is_empty(self) -> bool:
+        return len(self) == 0
+
+    def push(self, *args: Any, **kwargs: Any) -> None:
+        """Append one record.
+
+        Transition buffers: ``push(obs, action, reward, terminated, truncated,
+        next_obs)``; schema buffers: ``push(**{field: value})``.
+        """
+        self._backend.push(self._bind(_PUSH_ORDER, args, kwargs))
+
+    def push_batch(self, *args: Any, **kwargs: Any) -> None:
+        """Append many records at once, validated as a whole before storing.
+
+        Transition buffers: ``push_batch(obs, next_obs, actions, rewards,
+        terminated, truncated)`` with ``[n, dim]`` or flat ``[n*dim]`` arrays;
+        ``terminated``/``truncated`` may be bool or float (non-zero is true).
+        Schema buffers: ``push_batch(**{field: array[n, *shape]})``.
+        """
+        self._backend.push_batch(self._bind(_PUSH_BATCH_ORDER, args, kwargs))
+
+    def sample(self, batch_size: int, seed: int | None = None) -> dict[str, np.ndarray]:
+        """Draw ``batch_size`` records uniformly from hot + cold storage.
+
+        Returns ``{field: array[batch_size, *shape]}`` (for transitions: ``obs``,
+        ``next_obs``, ``actions``, ``rewards``, ``terminated``, ``truncated``).
+        Deterministic for the same contents and ``seed``.
+        """
+        return self._backend.sample(batch_size, seed)
+
+    def info(self) -> dict[str, Any]:
+        """Sizes, capacities and counters."""
+        return self._backend.info()
+
+    def close(self) -> None:
+        """Release the buffer and delete its files; later calls raise BufferClosedError."""
+        self._backend.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._backend.closed
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(len={len(self)}, hot_capacity={self.hot_capacity}, "
+            f"total_capacity={self.total_capacity}, schema={self.schema!r}, "
+            f"backend={type(self._backend).__name__})"
+        )
+
+    def _bind(self, order: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
+        """Map the reference's positional/keyword arguments to field names."""
+        schema = self._backend.schema
+        if not schema.is_transition():
+            order = schema.names
+        if len(args) > len(order):
+            raise FieldMismatchError(f"expected at most {len(order)} positional arguments")
+        bound = dict(zip(order, args))
+        for key, value in kwargs.items():
+            name = _ALIASES.get(key, key) if schema.is_transition() else key
+            if name in bound:
+                raise FieldMismatchError(f"field {name!r} given twice")
+            bound[name] = value
+        return bound
+
+
+def _remote(address: str, name: str | None, **config: Any) -> Any:
+    if not name:
+        raise ValueError("a remote buffer needs name= as well as address=")
+    from .client import connect  # the client imports this module; bind late
+
+    return connect(address).create_buffer(name, **config)._backend
+
+
+class ReplayBuffer(Buffer):
+    """A uniform replay buffer of ``capacity`` records in RAM.
+
+    ``ReplayBuffer(capacity, obs_dim, act_dim)`` stores reference transitions;
+    ``ReplayBuffer(capacity, fields={name: (dtype, shape)})`` any schema. With
+    ``address=`` and ``name=``, the buffer lives on a millpond server.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        obs_dim: int | None = None,
+        act_dim: int | None = None,
+        *,
+        fields: Mapping[str, Any] | None = None,
+        address: str | None = None,
+        name: str | None = None,
+    ):
+        schema = Schema.resolve(obs_dim, act_dim, fields)
+        if address is not None:
+            backend = _remote(address, name, capacity=capacity, fields=schema)
+        else:
+            backend = TieredBuffer(schema, capacity, capacity)
+        super().__init__(backend)
+
+
+class MmapReplayBuffer(Buffer):
+    """Hot RAM tier of ``hot_capacity`` records spilling to a mapped cold file.
+
+    Holds at most ``total_capacity`` records; the oldest are evicted first.
+    ``cold_path`` names the cold file (default: a temp file); ``close()``
+    deletes it. With ``address=`` and ``name=``, the buffer lives on a
+    millpond server, which places the cold file in its data directory.
+    """
+
+    def __init__(
+        self,
+        hot_capacity: int,
+        total_capacity: int,
+        obs_dim: int | None = None,
+        act_dim: int | None = None,
+        cold_path: str | os.PathLike | None = None,
+        *,
+        fields: Mapping[str, Any] | None = None,
+        address: str | None = None,
+        name: str | None = None,
+    ):
+        schema = Schema.resolve(obs_dim, act_dim, fields)
+        if address is not None:
+            backend = _remote(
+                address, name, hot_capacity=hot_capacity,
+                total_capacity=total_capacity, fields=schema,
+            )
+        else:
+            backend = TieredBuffer(schema, hot_capacity, total_capacity, cold_path)
+        super().__init__(backend)

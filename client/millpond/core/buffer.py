@@ -1,0 +1,226 @@
+"""The tiered buffer: one FIFO of at most ``total_capacity`` records.
+
+Every record gets a sequence number ``seq`` (0, 1, 2, ... in push order). With
+``pushed`` records so far the live ones are ``[max(0, pushed - total), pushed)``:
+
+* the newest ``hot_capacity`` live records sit in RAM at ``seq % hot_capacity``;
+* the older ones sit in the cold file at ``seq % cold_capacity``.
+
+A push computes, per batch, which seq ranges move hot -> cold and which go
+straight to each tier, and copies them as a few slices per field. Sampling
+draws ``seq`` uniformly over the live range and gathers per tier.
+
+Thread-safe: one lock per buffer guards every public method.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import tempfile
+import threading
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import (
+    BufferClosedError,
+    InvalidBatchSizeError,
+    InvalidConfigError,
+    NotEnoughDataError,
+)
+from .coldfile import ColdFile
+from .schema import Schema
+from .tier import Tier
+
+
+def _check_capacity(label: str, value: Any) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+        raise InvalidConfigError(f"{label} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class TieredBuffer:
+    """Hot RAM ring + cold mapped-file ring behind one FIFO.
+
+    ``total_capacity == hot_capacity`` means RAM only: no cold file is made and
+    the record leaving the hot ring is evicted. With ``cold_path=None`` and a
+    cold tier, the file goes to the system temp directory.
+    """
+
+    def __init__(
+        self,
+        schema: Schema,
+        hot_capacity: int,
+        total_capacity: int,
+        cold_path: str | os.PathLike | None = None,
+    ):
+        hot = _check_capacity("hot_capacity", hot_capacity)
+        total = _check_capacity("total_capacity", total_capacity)
+        if total < hot:
+            raise InvalidConfigError(
+                f"total_capacity ({total}) must be >= hot_capacity ({hot})"
+            )
+        self.schema = schema
+        self.hot_capacity = hot
+        self.total_capacity = total
+        self._lock = threading.Lock()
+        self._pushed = 0
+        self._closed = False
+        self._cold_file: ColdFile | None = None
+        if total > hot:
+            path = os.fspath(cold_path) if cold_path is not None else _temp_cold_path()
+            self._cold_file = ColdFile.create(path, schema, hot, total)
+        self._hot = Tier.in_memory(schema, hot)
+
+    # ---- sizes --------------------------------------------------------------
+
+    @property
+    def cold_capacity(self) -> int:
+        return self.total_capacity - self.hot_capacity
+
+    @property
+    def cold_path(self) -> str | None:
+        return self._cold_file.path if self._cold_file else None
+
+    @property
+    def pushed(self) -> int:
+        """Records ever pushed, including evicted ones."""
+        return self._pushed
+
+    def __len__(self) -> int:
+        return min(self._pushed, self.total_capacity)
+
+    @property
+    def hot_len(self) -> int:
+        return min(self._pushed, self.hot_capacity)
+
+    @property
+    def cold_len(self) -> int:
+        return len(self) - self.hot_len
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def info(self) -> dict[str, Any]:
+        """Sizes, capacities and counters (a snapshot)."""
+        with self._lock:
+            return {
+                "size": len(self),
+                "pushed": self._pushed,
+                "hot_size": self.hot_len,
+                "cold_size": self.cold_len,
+                "hot_capacity": self.hot_capacity,
+                "total_capacity": self.total_capacity,
+                "record_nbytes": self.schema.record_nbytes,
+                "cold_path": self.cold_path,
+                "closed": self._closed,
+            }
+
+    # ---- writes ---------------------------------------------------------------
+
+    def push(self, record: Mapping[str, Any]) -> None:
+        """Append one record (``{field: value}``); validated before anything changes."""
+        batch = self.schema.coerce_record(record)
+        with self._lock:
+            self._check_open()
+            self._append(1, batch)
+
+    def push_batch(self, columns: Mapping[str, Any]) -> int:
+        """Append a batch (``{field: array[n, ...]}``); return n.
+
+        Validated in full before anything changes: a rejected batch leaves the
+        buffer exactly as it was. An empty batch is accepted and stores nothing.
+        """
+        n, batch = self.schema.coerce_batch(columns)
+        with self._lock:
+            self._check_open()
+            self._append(n, batch)
+        return n
+
+    def _append(self, n: int, batch: Mapping[str, np.ndarray]) -> None:
+        first, new_pushed = self._pushed, self._pushed + n
+        hot, total = self.hot_capacity, self.total_capacity
+        if self._cold_file is not None:
+            cold = self._cold_file.tier
+            live_lo, cold_hi = max(0, new_pushed - total), max(0, new_pushed - hot)
+            # Spill first: hot records pushed out by this batch move to cold
+            # before their slots are overwritten. Records older than the new
+            # live range are simply dropped (evicted).
+            spill_lo = max(live_lo, first - hot, 0)
+            if spill_lo < min(cold_hi, first):
+                self._hot.copy_to(cold, spill_lo, min(cold_hi, first))
+            # A batch larger than the hot ring sends its own head straight to cold.
+            direct_lo = max(live_lo, first)
+            if direct_lo < cold_hi:
+                cold.write(direct_lo, cold_hi, batch, first)
+        self._hot.write(max(first, new_pushed - hot), new_pushed, batch, first)
+        self._pushed = new_pushed
+        if self._cold_file is not None:
+            self._cold_file.set_pushed(new_pushed)
+
+    # ---- reads ----------------------------------------------------------------
+
+    def sample(
+        self,
+        batch_size: int,
+        seed: int | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Draw ``batch_size`` records uniformly (with replacement) from hot + cold.
+
+        The same contents and ``seed`` give the same batch; ``seed=None`` draws
+        fresh entropy. Rows holding cold records come first, then hot ones
+        (each group in draw order): the batch as a multiset is i.i.d. uniform,
+        positions are not exchangeable. ``out`` may supply the destination
+        arrays (``{field: array[batch_size, *shape]}``), e.g. shared memory.
+        """
+        batch_size = self._check_batch_size(batch_size)
+        rng = np.random.default_rng(seed)
+        with self._lock:
+            self._check_open()
+            if batch_size > len(self):
+                raise NotEnoughDataError(
+                    f"batch_size {batch_size} > buffer len {len(self)}"
+                )
+            seqs = rng.integers(self._pushed - len(self), self._pushed, size=batch_size)
+            hot_lo = self._pushed - self.hot_len
+            is_hot = seqs >= hot_lo
+            cold_seqs, hot_seqs = seqs[~is_hot], seqs[is_hot]
+            if out is None:
+                out = {f.name: np.empty((batch_size,) + f.shape, f.dtype) for f in self.schema}
+            if len(cold_seqs):
+                self._cold_file.tier.gather(cold_seqs, out, 0)
+            self._hot.gather(hot_seqs, out, len(cold_seqs))
+        return dict(out)
+
+    @staticmethod
+    def _check_batch_size(batch_size: Any) -> int:
+        if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool):
+            raise InvalidBatchSizeError(f"batch_size must be an integer, got {batch_size!r}")
+        if batch_size <= 0:
+            raise InvalidBatchSizeError(f"batch_size must be > 0, got {batch_size}")
+        return int(batch_size)
+
+    # ---- lifecycle ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release memory, unmap and delete the cold file. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._hot.release()
+            if self._cold_file is not None:
+                self._cold_file.close(delete=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosedError("operation on a closed buffer")
+
+
+def _temp_cold_path() -> str:
+    fd, path = tempfile.mkstemp(prefix="millpond-", suffix=".cold")
+    os.close(fd)
+    return path

@@ -1,0 +1,254 @@
+"""Record schemas: named fields, each a numpy dtype and a per-record shape.
+
+A :class:`Schema` is immutable and validates every batch before the buffer
+touches it (:meth:`Schema.coerce_batch`), so a rejected push changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import (
+    DTypeMismatchError,
+    FieldMismatchError,
+    InvalidConfigError,
+    ShapeMismatchError,
+)
+
+# Fixed-size numeric kinds only: no objects, strings or datetimes ever cross
+# the wire or land in a file.
+_STORABLE_KINDS = "biuf"
+
+
+def _storage_dtype(dtype: Any) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise InvalidConfigError(f"not a numpy dtype: {dtype!r}") from exc
+    if dt.kind not in _STORABLE_KINDS or dt.fields is not None or dt.subdtype is not None:
+        raise InvalidConfigError(f"dtype {dt} is not a fixed-size bool/int/uint/float type")
+    return dt.newbyteorder("<") if dt.itemsize > 1 else dt
+
+
+@dataclass(frozen=True)
+class Field:
+    """One named column: ``dtype`` (little-endian) and per-record ``shape``."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        """Number of scalars per record."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per record."""
+        return self.size * self.dtype.itemsize
+
+    def spec(self) -> tuple[str, tuple[int, ...]]:
+        return (self.dtype.str, self.shape)
+
+
+def _make_field(name: Any, dtype: Any, shape: Any) -> Field:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise InvalidConfigError(f"field name must be a Python identifier, got {name!r}")
+    try:
+        dims = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    except (TypeError, ValueError) as exc:
+        raise InvalidConfigError(f"field {name!r}: shape must be a tuple of ints") from exc
+    if any(d <= 0 for d in dims):
+        raise InvalidConfigError(f"field {name!r}: every dimension must be > 0, got {dims}")
+    return Field(name, _storage_dtype(dtype), dims)
+
+
+class Schema:
+    """An ordered set of fields. Equality compares names, dtypes and shapes."""
+
+    def __init__(self, fields: list[Field]):
+        if not fields:
+            raise InvalidConfigError("a schema needs at least one field")
+        names = [f.name for f in fields]
+        if len(set(names)) != len(names):
+            raise InvalidConfigError(f"duplicate field names in {names}")
+        self.fields: tuple[Field, ...] = tuple(fields)
+        self._by_name = {f.name: f for f in fields}
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> "Schema":
+        """Build from ``{name: (dtype, shape)}``; ``shape`` ``()`` is a scalar."""
+        if not isinstance(spec, Mapping):
+            raise InvalidConfigError("fields must be a mapping name -> (dtype, shape)")
+        fields = []
+        for name, value in spec.items():
+            try:
+                dtype, shape = value
+            except (TypeError, ValueError) as exc:
+                raise InvalidConfigError(f"field {name!r}: expected (dtype, shape)") from exc
+            fields.append(_make_field(name, dtype, shape))
+        return cls(fields)
+
+    @classmethod
+    def transition(cls, obs_dim: int, act_dim: int) -> "Schema":
+        """The reference API's transition schema (``obs_dim``/``act_dim``)."""
+        for label, dim in (("obs_dim", obs_dim), ("act_dim", act_dim)):
+            if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim <= 0:
+                raise InvalidConfigError(f"{label} must be a positive integer, got {dim!r}")
+        return cls.from_spec(TRANSITION_SPEC(int(obs_dim), int(act_dim)))
+
+    @classmethod
+    def resolve(cls, obs_dim: Any = None, act_dim: Any = None, fields: Any = None) -> "Schema":
+        """The schema a buffer constructor asked for: ``fields`` or the dims."""
+        if fields is not None:
+            if obs_dim is not None or act_dim is not None:
+                raise InvalidConfigError("give either fields= or obs_dim/act_dim, not both")
+            return fields if isinstance(fields, Schema) else cls.from_spec(fields)
+        if obs_dim is None or act_dim is None:
+            raise InvalidConfigError("obs_dim and act_dim are required unless fields= is given")
+        return cls.transition(obs_dim, act_dim)
+
+    def spec(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The inverse of :meth:`from_spec` (dtype as a string)."""
+        return {f.name: f.spec() for f in self.fields}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    @property
+    def record_nbytes(self) -> int:
+        """Payload bytes of one record."""
+        return sum(f.nbytes for f in self.fields)
+
+    def __getitem__(self, name: str) -> Field:
+        return self._by_name[name]
+
+    def __iter__(self):
+        return iter(self.fields)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Schema) and self.spec() == other.spec()
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.spec().items()))
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{f.name}: {f.dtype.name}{list(f.shape)}" for f in self.fields)
+        return f"Schema({parts})"
+
+    def is_transition(self) -> bool:
+        """True for the reference transition schema built from obs/act dims."""
+        if self.names != TRANSITION_NAMES:
+            return False
+        obs_dim, act_dim = self["obs"].size, self["actions"].size
+        return self == Schema.transition(obs_dim, act_dim)
+
+    # ---- validation -------------------------------------------------------
+
+    def coerce_batch(self, columns: Mapping[str, Any]) -> tuple[int, dict[str, np.ndarray]]:
+        """Validate a batch and return ``(n, {name: array[n, *shape]})``.
+
+        Accepts per field an array shaped ``[n, *shape]`` or flat ``[n * size]``
+        (the reference's flat layout). Values are converted to the field dtype
+        only when that loses nothing of kind (ints into floats, float64 into
+        float32); bool fields accept any numeric input, non-zero being true.
+        Raises a typed error and changes nothing on bad input.
+        """
+        self._check_names(columns)
+        arrays = {name: _as_array(name, columns[name]) for name in self.names}
+        n = self._batch_length(arrays)
+        return n, {f.name: _fit(f, arrays[f.name], n) for f in self.fields}
+
+    def coerce_record(self, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Validate one record and return it as a batch of length 1."""
+        self._check_names(record)
+        out = {}
+        for f in self.fields:
+            arr = _as_array(f.name, record[f.name])
+            if arr.shape != f.shape and not (arr.ndim <= 1 and arr.size == f.size):
+                raise ShapeMismatchError(
+                    f"field {f.name!r}: expected shape {f.shape}, got {arr.shape}"
+                )
+            out[f.name] = _fit(f, arr.reshape((1,) + f.shape), 1)
+        return out
+
+    def _check_names(self, columns: Mapping[str, Any]) -> None:
+        if not isinstance(columns, Mapping):
+            raise FieldMismatchError("a batch must be a mapping of field name -> array")
+        missing = [n for n in self.names if n not in columns]
+        extra = [n for n in columns if n not in self._by_name]
+        if missing or extra:
+            raise FieldMismatchError(
+                f"batch fields do not match the schema: missing {missing}, unknown {extra}"
+            )
+
+    def _batch_length(self, arrays: dict[str, np.ndarray]) -> int:
+        lengths = set()
+        for f in self.fields:
+            arr = arrays[f.name]
+            if arr.ndim == 1 + len(f.shape) and arr.shape[1:] == f.shape:
+                lengths.add(arr.shape[0])
+            elif arr.ndim == 1 and arr.size % f.size == 0:
+                lengths.add(arr.size // f.size)
+            else:
+                raise ShapeMismatchError(
+                    f"field {f.name!r}: expected shape [n, {', '.join(map(str, f.shape))}]"
+                    f" or flat [n*{f.size}], got {list(arr.shape)}".replace("[n, ]", "[n]")
+                )
+        if len(lengths) != 1:
+            got = {f.name: list(arrays[f.name].shape) for f in self.fields}
+            raise ShapeMismatchError(f"fields disagree on the number of records: {got}")
+        return lengths.pop()
+
+
+TRANSITION_NAMES = ("obs", "next_obs", "actions", "rewards", "terminated", "truncated")
+
+
+def TRANSITION_SPEC(obs_dim: int, act_dim: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Field spec of the reference transition record."""
+    return {
+        "obs": ("float32", (obs_dim,)),
+        "next_obs": ("float32", (obs_dim,)),
+        "actions": ("float32", (act_dim,)),
+        "rewards": ("float32", ()),
+        "terminated": ("bool", ()),
+        "truncated": ("bool", ()),
+    }
+
+
+def _as_array(name: str, value: Any) -> np.ndarray:
+    arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+    if arr.dtype.kind not in _STORABLE_KINDS:
+        raise DTypeMismatchError(f"field {name!r}: cannot store dtype {arr.dtype}")
+    return arr
+
+
+def _fit(field: Field, arr: np.ndarray, n: int) -> np.ndarray:
+    """Reshape to ``[n, *shape]`` and convert to the field dtype (no copy if equal).
+
+    Conversion rules: bool fields take any number (non-zero is true); float
+    fields take any bool/int/float; integer fields take bools and integers
+    whose values fit. Floats into integer fields are refused.
+    """
+    arr = arr.reshape((n,) + field.shape)
+    src, dst = arr.dtype, field.dtype
+    if src == dst:
+        return arr
+    if dst.kind == "b":
+        return arr != 0
+    if dst.kind == "f" or (src.kind in "bui" and np.can_cast(src, dst, casting="safe")):
+        return arr.astype(dst)
+    if src.kind in "ui" and (arr.size == 0 or _ints_fit(arr, dst)):
+        return arr.astype(dst)
+    raise DTypeMismatchError(f"field {field.name!r}: cannot store {src} as {dst} without loss")
+
+
+def _ints_fit(arr: np.ndarray, dtype: np.dtype) -> bool:
+    info = np.iinfo(dtype)
+    return int(arr.min()) >= info.min and int(arr.max()) <= info.max

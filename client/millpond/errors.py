@@ -1,0 +1,130 @@
+"""The one exception hierarchy of millpond.
+
+Every error the engine raises is a :class:`ReplayError`. Each concrete error
+also inherits the builtin a Python user would expect (``ValueError`` for bad
+arguments, ``KeyError`` for an unknown buffer, ...), so ``except ValueError``
+keeps working for code written against the reference API.
+
+Each class carries a stable ``code``. The wire catalog
+(:mod:`millpond.wire.status`) maps codes to gRPC status codes; the client maps
+them back to the same classes, so remote and in-process buffers raise the same
+types. Errors are never matched by message text.
+"""
+
+from __future__ import annotations
+
+
+class ReplayError(Exception):
+    """Base of every millpond error."""
+
+    code = "REPLAY_ERROR"
+
+
+class InvalidArgumentError(ReplayError, ValueError):
+    """A request argument is malformed; nothing was changed."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class InvalidConfigError(InvalidArgumentError):
+    """A buffer configuration is impossible (zero capacity, bad schema, ...)."""
+
+    code = "INVALID_CONFIG"
+
+
+class ShapeMismatchError(InvalidArgumentError):
+    """An array does not have the shape the buffer's schema requires."""
+
+    code = "SHAPE_MISMATCH"
+
+
+class DTypeMismatchError(InvalidArgumentError):
+    """An array's dtype cannot be stored in the schema's dtype without loss."""
+
+    code = "DTYPE_MISMATCH"
+
+
+class FieldMismatchError(InvalidArgumentError):
+    """A batch names fields the schema lacks, or lacks fields it has."""
+
+    code = "FIELD_MISMATCH"
+
+
+class InvalidBatchSizeError(InvalidArgumentError):
+    """``batch_size`` is not a positive integer."""
+
+    code = "INVALID_BATCH_SIZE"
+
+
+class NotEnoughDataError(ReplayError, ValueError):
+    """A sample asks for more records than the buffer holds."""
+
+    code = "NOT_ENOUGH_DATA"
+
+
+class BufferClosedError(ReplayError, ValueError):
+    """The buffer was closed; like I/O on a closed file, this is a ValueError."""
+
+    code = "BUFFER_CLOSED"
+
+
+class BufferNotFoundError(ReplayError, KeyError):
+    """No buffer of that name exists on the server."""
+
+    code = "BUFFER_NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep messages readable
+        return str(self.args[0]) if self.args else ""
+
+
+class ConfigMismatchError(ReplayError, ValueError):
+    """A buffer of that name exists with a different configuration."""
+
+    code = "CONFIG_MISMATCH"
+
+
+class StorageFullError(ReplayError, OSError):
+    """Not enough disk or memory to create the buffer; nothing was left behind."""
+
+    code = "STORAGE_FULL"
+
+
+class CorruptFileError(ReplayError, ValueError):
+    """A cold file is not a millpond file, or its header is damaged."""
+
+    code = "CORRUPT_FILE"
+
+
+class MessageTooLargeError(ReplayError, ValueError):
+    """A request or reply would exceed the configured gRPC message size limit."""
+
+    code = "MESSAGE_TOO_LARGE"
+
+
+class DeadlineExceededError(ReplayError, TimeoutError):
+    """The call did not complete before its deadline."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class ServerUnavailableError(ReplayError, ConnectionError):
+    """The server cannot be reached (not started, dead, or shutting down)."""
+
+    code = "UNAVAILABLE"
+
+
+class InternalError(ReplayError, RuntimeError):
+    """The server failed in a way that is a bug, not the caller's fault."""
+
+    code = "INTERNAL"
+
+
+def error_classes() -> dict[str, type[ReplayError]]:
+    """All error classes by their stable code (used to decode remote errors)."""
+    found: dict[str, type[ReplayError]] = {}
+    pending = [ReplayError]
+    while pending:
+        cls = pending.pop()
+        found[cls.code] = cls
+        pending.extend(cls.__subclasses__())
+    return found

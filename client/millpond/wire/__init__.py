@@ -1,0 +1,1 @@
+"""The wire: numpy columns <-> protocol messages, and the error catalog."""

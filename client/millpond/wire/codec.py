@@ -1,0 +1,96 @@
+"""numpy batches <-> protocol messages.
+
+A column is dtype + shape + raw little-endian bytes. Decoding is
+``np.frombuffer`` on the received bytes (no copy, no pickle, no object dtype),
+after checking that the dtype is a plain number type and that the byte count
+matches the shape, so a hostile message cannot make us read out of bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import numpy as np
+
+from ..core.schema import Field, Schema
+from ..errors import DTypeMismatchError, InvalidConfigError, ShapeMismatchError
+from ..v1 import replay_pb2 as pb
+
+_WIRE_KINDS = "biuf"
+
+
+def encode_batch(columns: Mapping[str, np.ndarray]) -> pb.Batch:
+    """Encode ``{name: array}`` as a Batch (arrays are sent C-ordered, little-endian)."""
+    return pb.Batch(columns=[encode_column(name, arr) for name, arr in columns.items()])
+
+
+def encode_column(name: str, arr: np.ndarray) -> pb.Column:
+    arr = np.asarray(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    # tobytes() makes one C-ordered copy; protobuf needs an owned bytes object.
+    return pb.Column(name=name, dtype=arr.dtype.str, shape=arr.shape, data=arr.tobytes())
+
+
+def decode_batch(batch: pb.Batch) -> dict[str, np.ndarray]:
+    """Decode a Batch into read-only arrays viewing the message bytes."""
+    out: dict[str, np.ndarray] = {}
+    for column in batch.columns:
+        if column.name in out:
+            raise ShapeMismatchError(f"column {column.name!r} appears twice")
+        out[column.name] = decode_column(column)
+    return out
+
+
+def decode_column(column: pb.Column) -> np.ndarray:
+    try:
+        dtype = np.dtype(column.dtype)
+    except TypeError as exc:
+        raise DTypeMismatchError(f"column {column.name!r}: unknown dtype {column.dtype!r}") from exc
+    if dtype.kind not in _WIRE_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+        raise DTypeMismatchError(f"column {column.name!r}: dtype {dtype} is not allowed on the wire")
+    shape = tuple(column.shape)
+    if any(d < 0 for d in shape):
+        raise ShapeMismatchError(f"column {column.name!r}: negative dimension in {shape}")
+    data = column.data  # protobuf copies bytes on every attribute access: read once
+    if math.prod(shape) * dtype.itemsize != len(data):
+        raise ShapeMismatchError(
+            f"column {column.name!r}: {len(data)} bytes do not hold {dtype}{list(shape)}"
+        )
+    return np.frombuffer(data, dtype).reshape(shape)
+
+
+def encode_config(schema: Schema, hot_capacity: int, total_capacity: int) -> pb.BufferConfig:
+    return pb.BufferConfig(
+        hot_capacity=hot_capacity,
+        total_capacity=total_capacity,
+        fields=[pb.FieldSpec(name=f.name, dtype=f.dtype.str, shape=f.shape) for f in schema],
+    )
+
+
+def decode_config(config: pb.BufferConfig) -> tuple[Schema, int, int]:
+    """Return (schema, hot_capacity, total_capacity); raises InvalidConfigError."""
+    if not config.fields:
+        raise InvalidConfigError("buffer config has no fields")
+    spec = {f.name: (f.dtype, tuple(f.shape)) for f in config.fields}
+    if len(spec) != len(config.fields):
+        raise InvalidConfigError("buffer config repeats a field name")
+    return Schema.from_spec(spec), config.hot_capacity, config.total_capacity
+
+
+def batch_nbytes(schema: Schema, n: int) -> int:
+    """Payload bytes of n records (for message-size checks before sending)."""
+    return n * schema.record_nbytes
+
+
+__all__ = [
+    "Field",
+    "batch_nbytes",
+    "decode_batch",
+    "decode_column",
+    "decode_config",
+    "encode_batch",
+    "encode_column",
+    "encode_config",
+]
