@@ -12,6 +12,7 @@ Remote (same methods, same results, same exceptions)::
 """
 
 from .api import Buffer, MmapReplayBuffer, ReplayBuffer
+from .client import Client, connect
 from .core import Field, Schema
 from .errors import (
     BufferClosedError,

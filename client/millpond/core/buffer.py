@@ -34,10 +34,16 @@ from .schema import Schema
 from .tier import Tier
 
 
-def _check_capacity(label: str, value: Any) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
-        raise InvalidConfigError(f"{label} must be a positive integer, got {value!r}")
-    return int(value)
+def check_capacities(hot_capacity: Any, total_capacity: Any) -> tuple[int, int]:
+    """Return the capacities as ints, or raise InvalidConfigError."""
+    for label, value in (("hot_capacity", hot_capacity), ("total_capacity", total_capacity)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+            raise InvalidConfigError(f"{label} must be a positive integer, got {value!r}")
+    if total_capacity < hot_capacity:
+        raise InvalidConfigError(
+            f"total_capacity ({total_capacity}) must be >= hot_capacity ({hot_capacity})"
+        )
+    return int(hot_capacity), int(total_capacity)
 
 
 class TieredBuffer:
@@ -55,12 +61,7 @@ class TieredBuffer:
         total_capacity: int,
         cold_path: str | os.PathLike | None = None,
     ):
-        hot = _check_capacity("hot_capacity", hot_capacity)
-        total = _check_capacity("total_capacity", total_capacity)
-        if total < hot:
-            raise InvalidConfigError(
-                f"total_capacity ({total}) must be >= hot_capacity ({hot})"
-            )
+        hot, total = check_capacities(hot_capacity, total_capacity)
         self.schema = schema
         self.hot_capacity = hot
         self.total_capacity = total
@@ -176,7 +177,7 @@ class TieredBuffer:
         positions are not exchangeable. ``out`` may supply the destination
         arrays (``{field: array[batch_size, *shape]}``), e.g. shared memory.
         """
-        batch_size = self._check_batch_size(batch_size)
+        batch_size = check_batch_size(batch_size)
         rng = np.random.default_rng(seed)
         with self._lock:
             self._check_open()
@@ -195,14 +196,6 @@ class TieredBuffer:
             self._hot.gather(hot_seqs, out, len(cold_seqs))
         return dict(out)
 
-    @staticmethod
-    def _check_batch_size(batch_size: Any) -> int:
-        if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool):
-            raise InvalidBatchSizeError(f"batch_size must be an integer, got {batch_size!r}")
-        if batch_size <= 0:
-            raise InvalidBatchSizeError(f"batch_size must be > 0, got {batch_size}")
-        return int(batch_size)
-
     # ---- lifecycle ------------------------------------------------------------
 
     def close(self) -> None:
@@ -218,6 +211,21 @@ class TieredBuffer:
     def _check_open(self) -> None:
         if self._closed:
             raise BufferClosedError("operation on a closed buffer")
+
+    def __reduce__(self):
+        raise TypeError(
+            "an in-process buffer cannot be pickled; to share one buffer between "
+            "processes, serve it (millpond serve) and pass address= and name="
+        )
+
+
+def check_batch_size(batch_size: Any) -> int:
+    """Return ``batch_size`` as an int, or raise InvalidBatchSizeError."""
+    if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool):
+        raise InvalidBatchSizeError(f"batch_size must be an integer, got {batch_size!r}")
+    if batch_size <= 0:
+        raise InvalidBatchSizeError(f"batch_size must be > 0, got {batch_size}")
+    return int(batch_size)
 
 
 def _temp_cold_path() -> str:

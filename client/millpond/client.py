@@ -1,0 +1,166 @@
+"""Connecting to a millpond server.
+
+    client = millpond.connect("localhost:50051")
+    buf = client.create_buffer("cartpole", capacity=100_000, obs_dim=4, act_dim=1)
+    buf.push_batch(obs, next_obs, actions, rewards, terminated, truncated)
+    batch = buf.sample(256)
+
+Every call carries a deadline (``timeout`` seconds). Keepalive pings every
+few seconds notice a dead server or a dead network path within
+``keepalive_time + keepalive_timeout`` instead of the TCP default of minutes.
+
+A :class:`Client` (and every buffer handle it returns) pickles as its address
+and settings, and opens its gRPC channel lazily per process: handles made
+before ``fork`` or passed to ``spawn``-ed actors work in the child.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Mapping
+
+import grpc
+
+from .api import Buffer
+from .core.buffer import check_capacities
+from .core.schema import Schema
+from .errors import InvalidConfigError
+from .remote import RemoteBuffer, info_to_dict, translate_rpc_errors
+from .v1 import replay_pb2 as pb
+from .v1 import replay_pb2_grpc as pb_grpc
+from .wire.codec import decode_config, encode_config
+
+DEFAULT_TIMEOUT = 60.0
+DEFAULT_MAX_MESSAGE_MB = 512
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+
+
+def connect(
+    address: str,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
+) -> "Client":
+    """A client for the server at ``address`` ("host:port"). Connects lazily."""
+    return Client(address, timeout=timeout, max_message_mb=max_message_mb)
+
+
+class Client:
+    """A connection to one millpond server."""
+
+    def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT,
+                 max_message_mb: int = DEFAULT_MAX_MESSAGE_MB):
+        if not isinstance(address, str) or not address:
+            raise InvalidConfigError(f"address must be 'host:port', got {address!r}")
+        self.address = address
+        self.timeout = float(timeout)
+        self.max_message_bytes = int(max_message_mb) * 1024 * 1024
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.ReplayStub | None = None
+        self._pid = -1
+
+    def __reduce__(self):
+        return (
+            _rebuild_client,
+            (self.address, self.timeout, self.max_message_bytes // (1024 * 1024)),
+        )
+
+    @property
+    def stub(self) -> pb_grpc.ReplayStub:
+        """The gRPC stub, (re)created in each process that uses it."""
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    # A channel inherited through fork belongs to the parent's
+                    # gRPC threads; never touch it here, just open our own.
+                    self._channel = grpc.insecure_channel(self.address, options=self._options())
+                    self._stub = pb_grpc.ReplayStub(self._channel)
+                    self._pid = os.getpid()
+        return self._stub
+
+    def _options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+
+    # ---- buffers --------------------------------------------------------------
+
+    @translate_rpc_errors
+    def create_buffer(
+        self,
+        name: str,
+        capacity: int | None = None,
+        obs_dim: int | None = None,
+        act_dim: int | None = None,
+        *,
+        hot_capacity: int | None = None,
+        total_capacity: int | None = None,
+        fields: Mapping[str, Any] | Schema | None = None,
+    ) -> Buffer:
+        """Create the buffer ``name``, or attach to it if it exists with this config.
+
+        Arguments are those of the in-process classes: ``capacity`` (RAM only,
+        like ``ReplayBuffer``) or ``hot_capacity`` + ``total_capacity`` (like
+        ``MmapReplayBuffer``), and ``obs_dim``/``act_dim`` or ``fields``.
+        An existing buffer with another config raises ConfigMismatchError.
+        """
+        schema = Schema.resolve(obs_dim, act_dim, fields)
+        hot, total = check_capacities(*_capacities(capacity, hot_capacity, total_capacity))
+        request = pb.CreateRequest(name=name, config=encode_config(schema, hot, total))
+        reply = self.stub.Create(request, timeout=self.timeout)
+        return self._handle(reply)
+
+    @translate_rpc_errors
+    def buffer(self, name: str) -> Buffer:
+        """Attach to the existing buffer ``name`` (BufferNotFoundError if none)."""
+        return self._handle(self.stub.Info(pb.InfoRequest(name=name), timeout=self.timeout))
+
+    @translate_rpc_errors
+    def list_buffers(self) -> list[dict[str, Any]]:
+        """Info of every buffer on the server."""
+        reply = self.stub.List(pb.ListRequest(), timeout=self.timeout)
+        return [info_to_dict(info) for info in reply.buffers]
+
+    def close(self) -> None:
+        """Close the channel (buffers stay on the server). Idempotent."""
+        with self._lock:
+            if self._channel is not None and self._pid == os.getpid():
+                self._channel.close()
+            self._channel = self._stub = None
+            self._pid = -1
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self.address!r}, timeout={self.timeout})"
+
+    def _handle(self, info: pb.BufferInfo) -> Buffer:
+        schema, hot, total = decode_config(info.config)
+        return Buffer(RemoteBuffer(self, info.name, schema, hot, total))
+
+
+def _capacities(capacity: Any, hot_capacity: Any, total_capacity: Any) -> tuple[Any, Any]:
+    if capacity is not None:
+        if hot_capacity is not None or total_capacity is not None:
+            raise InvalidConfigError("give capacity= or hot_capacity=/total_capacity=, not both")
+        return capacity, capacity
+    if hot_capacity is None or total_capacity is None:
+        raise InvalidConfigError("give capacity=, or both hot_capacity= and total_capacity=")
+    return hot_capacity, total_capacity
+
+
+def _rebuild_client(address: str, timeout: float, max_message_mb: int) -> Client:
+    return Client(address, timeout=timeout, max_message_mb=max_message_mb)

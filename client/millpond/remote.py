@@ -1,0 +1,158 @@
+"""The remote backend: a buffer that lives on a millpond server.
+
+:class:`RemoteBuffer` has the same methods as the engine's
+:class:`~millpond.core.TieredBuffer`, so the public classes in
+:mod:`millpond.api` wrap either one. Input is validated here with the same
+schema code the engine uses (so bad input fails before it costs a round trip,
+with the same exception), and again by the server, which trusts nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
+
+import grpc
+import numpy as np
+
+from .core.buffer import check_batch_size
+from .core.schema import Schema
+from .errors import BufferClosedError, BufferNotFoundError, MessageTooLargeError
+from .v1 import replay_pb2 as pb
+from .wire.codec import decode_batch, encode_batch
+from .wire.status import error_from_rpc
+
+if TYPE_CHECKING:
+    from .client import Client
+
+T = TypeVar("T")
+
+# Protobuf framing per column (name, dtype, shape, length prefixes) is tiny;
+# this margin keeps size checks honest without computing it exactly.
+_FRAMING_BYTES = 64 * 1024
+
+
+def translate_rpc_errors(fn: Callable[..., T]) -> Callable[..., T]:
+    """Re-raise failed gRPC calls as the typed millpond exception."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    return wrapper
+
+
+def info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
+    """A BufferInfo message as the dict ``TieredBuffer.info()`` returns."""
+    return {
+        "name": info.name,
+        "size": info.size,
+        "pushed": info.pushed,
+        "hot_size": info.hot_size,
+        "cold_size": info.cold_size,
+        "hot_capacity": info.config.hot_capacity,
+        "total_capacity": info.config.total_capacity,
+        "record_nbytes": info.record_nbytes,
+        "cold_path": info.cold_path or None,
+        "fields": {f.name: (f.dtype, tuple(f.shape)) for f in info.config.fields},
+        "closed": False,
+    }
+
+
+class RemoteBuffer:
+    """A handle on the server buffer ``name``. Picklable; safe after fork."""
+
+    def __init__(self, client: "Client", name: str, schema: Schema, hot_capacity: int,
+                 total_capacity: int):
+        self._client = client
+        self.name = name
+        self.schema = schema
+        self.hot_capacity = hot_capacity
+        self.total_capacity = total_capacity
+        self._closed = False
+
+    def __reduce__(self):
+        return (
+            RemoteBuffer,
+            (self._client, self.name, self.schema, self.hot_capacity, self.total_capacity),
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __len__(self) -> int:
+        return self.info()["size"]
+
+    @translate_rpc_errors
+    def info(self) -> dict[str, Any]:
+        self._check_open()
+        reply = self._client.stub.Info(pb.InfoRequest(name=self.name), timeout=self._client.timeout)
+        return info_to_dict(reply)
+
+    @translate_rpc_errors
+    def push(self, record: Mapping[str, Any]) -> None:
+        """Send one record (validated locally first)."""
+        self._check_open()
+        batch = self.schema.coerce_record(record)
+        message = encode_batch({name: column[0] for name, column in batch.items()})
+        self._client.stub.Push(
+            pb.PushRequest(name=self.name, record=message), timeout=self._client.timeout
+        )
+
+    @translate_rpc_errors
+    def push_batch(self, columns: Mapping[str, Any]) -> int:
+        """Send a batch (validated locally first); returns its length.
+
+        A batch larger than the message limit is refused before sending
+        (:class:`MessageTooLargeError`); split it, nothing was stored.
+        """
+        self._check_open()
+        n, batch = self.schema.coerce_batch(columns)
+        self._check_message_size(n, "push_batch of")
+        self._client.stub.PushBatch(
+            pb.PushBatchRequest(name=self.name, batch=encode_batch(batch)),
+            timeout=self._client.timeout,
+        )
+        return n
+
+    @translate_rpc_errors
+    def sample(self, batch_size: int, seed: int | None = None) -> dict[str, np.ndarray]:
+        """Sample on the server; returns writable arrays like the in-process buffer."""
+        self._check_open()
+        batch_size = check_batch_size(batch_size)
+        request = pb.SampleRequest(name=self.name, batch_size=batch_size)
+        if seed is not None:
+            request.seed = int(seed)
+        reply = self._client.stub.Sample(request, timeout=self._client.timeout)
+        # Arrays decoded from the reply view immutable bytes; copy once so the
+        # caller may modify them in place, as with in-process results.
+        return {name: np.array(column) for name, column in decode_batch(reply.batch).items()}
+
+    @translate_rpc_errors
+    def close(self) -> None:
+        """Close and delete the buffer on the server. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._client.stub.Close(pb.CloseRequest(name=self.name), timeout=self._client.timeout)
+        except grpc.RpcError as exc:
+            if not isinstance(error_from_rpc(exc), BufferNotFoundError):
+                raise
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosedError(f"buffer {self.name!r} was closed")
+
+    def _check_message_size(self, n: int, what: str) -> None:
+        nbytes = n * self.schema.record_nbytes + _FRAMING_BYTES
+        limit = self._client.max_message_bytes
+        if nbytes > limit:
+            raise MessageTooLargeError(
+                f"{what} {n:,} records is {nbytes:,} bytes, over the client's message limit "
+                f"of {limit:,} bytes (max_message_mb); split it into smaller batches"
+            )
