@@ -58,7 +58,6 @@ def info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
         "record_nbytes": info.record_nbytes,
         "cold_path": info.cold_path or None,
         "fields": {f.name: (f.dtype, tuple(f.shape)) for f in info.config.fields},
-        "closed": False,
     }
 
 

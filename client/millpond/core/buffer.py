@@ -90,6 +90,10 @@ class TieredBuffer:
         return self._pushed
 
     def __len__(self) -> int:
+        self._check_open()
+        return self._size()
+
+    def _size(self) -> int:
         return min(self._pushed, self.total_capacity)
 
     @property
@@ -98,7 +102,7 @@ class TieredBuffer:
 
     @property
     def cold_len(self) -> int:
-        return len(self) - self.hot_len
+        return self._size() - self.hot_len
 
     @property
     def closed(self) -> bool:
@@ -107,8 +111,9 @@ class TieredBuffer:
     def info(self) -> dict[str, Any]:
         """Sizes, capacities and counters (a snapshot)."""
         with self._lock:
+            self._check_open()
             return {
-                "size": len(self),
+                "size": self._size(),
                 "pushed": self._pushed,
                 "hot_size": self.hot_len,
                 "cold_size": self.cold_len,
@@ -116,7 +121,6 @@ class TieredBuffer:
                 "total_capacity": self.total_capacity,
                 "record_nbytes": self.schema.record_nbytes,
                 "cold_path": self.cold_path,
-                "closed": self._closed,
             }
 
     # ---- writes ---------------------------------------------------------------
@@ -181,11 +185,10 @@ class TieredBuffer:
         rng = np.random.default_rng(seed)
         with self._lock:
             self._check_open()
-            if batch_size > len(self):
-                raise NotEnoughDataError(
-                    f"batch_size {batch_size} > buffer len {len(self)}"
-                )
-            seqs = rng.integers(self._pushed - len(self), self._pushed, size=batch_size)
+            size = self._size()
+            if batch_size > size:
+                raise NotEnoughDataError(f"batch_size {batch_size} > buffer len {size}")
+            seqs = rng.integers(self._pushed - size, self._pushed, size=batch_size)
             hot_lo = self._pushed - self.hot_len
             is_hot = seqs >= hot_lo
             cold_seqs, hot_seqs = seqs[~is_hot], seqs[is_hot]

@@ -1,0 +1,134 @@
+"""The client library against a real daemon: what only a remote buffer can do."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import millpond
+from support import ServerProcess
+from test_contract import transitions
+
+
+def test_connect_create_attach_and_list(shared_server):
+    client = millpond.connect(shared_server.address)
+    buf = client.create_buffer("client-list", hot_capacity=4, total_capacity=16, obs_dim=2, act_dim=1)
+    buf.push_batch(**transitions(0, 10))
+    again = client.buffer("client-list")
+    assert len(again) == 10 and again.schema == buf.schema
+    rows = {row["name"]: row for row in client.list_buffers()}
+    assert rows["client-list"]["size"] == 10
+    assert rows["client-list"]["hot_capacity"] == 4 and rows["client-list"]["total_capacity"] == 16
+    buf.close()
+    assert "client-list" not in {row["name"] for row in client.list_buffers()}
+
+
+def test_same_config_attaches_and_other_config_is_refused(shared_server):
+    client = millpond.connect(shared_server.address)
+    first = client.create_buffer("client-mismatch", capacity=8, obs_dim=2, act_dim=1)
+    first.push_batch(**transitions(0, 3))
+    second = client.create_buffer("client-mismatch", capacity=8, obs_dim=2, act_dim=1)
+    assert len(second) == 3
+    with pytest.raises(millpond.ConfigMismatchError):
+        client.create_buffer("client-mismatch", capacity=8, obs_dim=3, act_dim=1)
+    assert len(first) == 3
+    first.close()
+
+
+def test_unknown_buffer_is_a_typed_key_error(shared_server):
+    client = millpond.connect(shared_server.address)
+    with pytest.raises(millpond.BufferNotFoundError) as info:
+        client.buffer("no-such-buffer")
+    assert isinstance(info.value, KeyError)
+
+
+def test_constructor_with_address_is_the_one_line_switch(shared_server):
+    buf = millpond.ReplayBuffer(16, 2, 1, address=shared_server.address, name="client-switch")
+    buf.push_batch(**transitions(0, 5))
+    assert len(buf) == 5 and buf.info()["cold_size"] == 0
+    buf.close()
+
+
+def test_oversized_push_is_refused_before_sending(shared_server):
+    client = millpond.connect(shared_server.address, max_message_mb=1)
+    buf = client.create_buffer("client-big-push", capacity=200_000, fields={"x": ("float32", (64,))})
+    with pytest.raises(millpond.MessageTooLargeError, match="max_message_mb"):
+        buf.push_batch(x=np.zeros((10_000, 64), np.float32))  # 2.5 MB > 1 MB
+    assert len(buf) == 0
+    buf.close()
+
+
+def test_oversized_sample_reply_names_the_server_limit(tmp_path):
+    with ServerProcess(tmp_path / "data", "--max-message-mb", "1") as server:
+        buf = millpond.connect(server.address).create_buffer(
+            "big", capacity=1000, fields={"x": ("float32", (1024,))}
+        )
+        buf.push_batch(x=np.ones((300, 1024), np.float32))  # 1.2 MB in total
+        with pytest.raises(millpond.MessageTooLargeError, match="max-message-mb"):
+            buf.sample(300)
+        assert buf.sample(10)["x"].shape == (10, 1024)
+
+
+def test_deadline_exceeded_is_typed(shared_server):
+    client = millpond.connect(shared_server.address, timeout=1e-6)
+    with pytest.raises(millpond.DeadlineExceededError) as info:
+        client.list_buffers()
+    assert isinstance(info.value, TimeoutError)
+
+
+def test_dead_server_is_detected_in_seconds(tmp_path):
+    server = ServerProcess(tmp_path / "data").start()
+    buf = millpond.connect(server.address, timeout=30).create_buffer("gone", capacity=8, obs_dim=2, act_dim=1)
+    buf.push_batch(**transitions(0, 2))
+    server.stop(signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(millpond.ServerUnavailableError) as info:
+        buf.sample(1)
+    assert time.monotonic() - started < 5
+    assert isinstance(info.value, ConnectionError)
+
+
+def _push_from_child(handle, start, queue):
+    handle.push_batch(**transitions(start, 5))
+    queue.put(len(handle))
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_handles_work_in_actor_processes(shared_server, method):
+    buf = millpond.connect(shared_server.address).create_buffer(
+        f"client-actors-{method}", capacity=100, obs_dim=2, act_dim=1
+    )
+    buf.push_batch(**transitions(0, 5))  # the parent's channel is live before fork
+    ctx = mp.get_context(method)
+    queue = ctx.Queue()
+    actors = [ctx.Process(target=_push_from_child, args=(buf, 5 * (i + 1), queue)) for i in range(2)]
+    for actor in actors:
+        actor.start()
+    for actor in actors:
+        actor.join(60)
+        assert actor.exitcode == 0
+    assert len(buf) == 15
+    assert sorted(queue.get(timeout=10) for _ in actors)[-1] == 15
+    buf.close()
+
+
+def test_handles_pickle_by_address_and_name(shared_server):
+    buf = millpond.connect(shared_server.address).create_buffer(
+        "client-pickle", capacity=10, obs_dim=2, act_dim=1
+    )
+    buf.push_batch(**transitions(0, 3))
+    clone = pickle.loads(pickle.dumps(buf))
+    assert len(clone) == 3 and clone.schema == buf.schema
+    assert pickle.loads(pickle.dumps(millpond.connect(shared_server.address))).address == shared_server.address
+    buf.close()
+
+
+def test_local_buffers_refuse_to_pickle(tmp_path):
+    buf = millpond.ReplayBuffer(4, 2, 1)
+    with pytest.raises(TypeError, match="address="):
+        pickle.dumps(buf)
