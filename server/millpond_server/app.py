@@ -1,0 +1,152 @@
+"""Server lifecycle: build the grpc.aio server, serve, stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import platform
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from .config import ServeConfig
+from .registry import Registry
+from .service import SERVICE_NAME, ReplayService, add_to_server
+
+log = logging.getLogger("millpond.server")
+
+# glibc hands big freed blocks back to the OS after every RPC (mmap/munmap or
+# heap trimming), so each multi-megabyte message pays for fresh page faults.
+# Raising both thresholds keeps those pages in the process. mmap_threshold is
+# capped by glibc at 32 MiB on 64-bit (HOST_MALLOC_MMAP_THRESHOLD_MAX); larger
+# values are ignored.
+GLIBC_TUNABLES = (
+    "glibc.malloc.mmap_threshold=33554432:"
+    "glibc.malloc.trim_threshold=1073741824"
+)
+_REEXEC_GUARD = "MILLPOND_REEXECED"
+
+
+def maybe_reexec_with_tunables() -> None:
+    """Re-exec this very command once with GLIBC_TUNABLES set (glibc only).
+
+    Tunables are read at process start, so they cannot be set from inside.
+    Skipped when GLIBC_TUNABLES is already set, when MILLPOND_NO_REEXEC=1, or
+    when this process already is the re-exec (guard variable).
+    """
+    env = os.environ
+    if (
+        "GLIBC_TUNABLES" in env
+        or env.get("MILLPOND_NO_REEXEC", "") not in ("", "0")
+        or env.get(_REEXEC_GUARD)
+        or platform.libc_ver()[0] != "glibc"
+    ):
+        return
+    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    env = {**env, "GLIBC_TUNABLES": GLIBC_TUNABLES, _REEXEC_GUARD: "1"}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, argv, env)
+    except OSError as exc:  # keep serving without the tunables
+        log.warning("re-exec with GLIBC_TUNABLES failed", extra={"kv": {"error": exc}})
+
+
+def grpc_options(cfg: ServeConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        # Notice dead clients: ping an idle connection every 20 s, drop it if
+        # no ack within 10 s.
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Let clients ping every ~10 s (even without calls) without being
+        # disconnected for "too many pings".
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _bind_address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal
+    return f"{host}:{port}"
+
+
+async def serve(cfg: ServeConfig) -> int:
+    """Run until SIGTERM/SIGINT; return the exit code."""
+    registry = Registry(cfg.data_dir)
+    try:
+        for spec in cfg.buffers:
+            registry.create(spec.name, spec.schema, spec.hot_capacity, spec.total_capacity)
+    except BaseException:
+        registry.close_all()
+        raise
+    executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="millpond-engine")
+    server = grpc.aio.server(options=grpc_options(cfg))
+    add_to_server(ReplayService(registry, executor, cfg.max_message_mb), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        try:
+            port = server.add_insecure_port(_bind_address(cfg.host, cfg.port))
+        except RuntimeError as exc:
+            log.error("cannot bind", extra={"kv": {"address": _bind_address(cfg.host, cfg.port),
+                                                   "error": exc}})
+            print(f"millpond serve: cannot bind {_bind_address(cfg.host, cfg.port)}: {exc}",
+                  file=sys.stderr)
+            return 1
+        await server.start()
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_signal(signum: int) -> None:
+            if stop.is_set():
+                log.warning("already stopping", extra={"kv": {"signal": signal.Signals(signum).name}})
+                return
+            log.info("stopping", extra={"kv": {"signal": signal.Signals(signum).name,
+                                                "grace_s": cfg.grace}})
+            stop.set()
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, on_signal, signum)
+
+        for service in ("", SERVICE_NAME):
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        address = _bind_address(cfg.host, port)
+        log.info("serving", extra={"kv": {
+            "address": address, "data_dir": cfg.data_dir, "buffers": len(registry),
+            "max_message_mb": cfg.max_message_mb, "workers": cfg.workers,
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+        }})
+        print(f"serving on {address}", flush=True)
+
+        await stop.wait()
+        await health_servicer.enter_graceful_shutdown()  # NOT_SERVING for every service
+        await server.stop(cfg.grace)
+        log.info("server stopped")
+        return 0
+    finally:
+        # Handlers cancelled by stop() may still run on the pool: let them end
+        # before their buffers are closed.
+        executor.shutdown(wait=True, cancel_futures=True)
+        registry.close_all()
+        log.info("buffers closed")
+
+
+def run(cfg: ServeConfig) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        loop_factory = None
+    else:
+        loop_factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(serve(cfg))

@@ -1,0 +1,156 @@
+"""The ``millpond`` command: ``serve``, ``info``, ``health``.
+
+Exit codes: 0 success; 1 runtime failure (server unreachable, not serving,
+cannot bind); 2 bad usage or configuration (flags, environment, TOML).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import grpc
+
+from .config import ConfigError, add_serve_arguments, resolve_serve_config, setup_logging
+
+DEFAULT_PORT = 50051
+CLIENT_TIMEOUT_S = 5.0
+
+
+def _default_address() -> str:
+    if os.environ.get("MILLPOND_ADDRESS"):
+        return os.environ["MILLPOND_ADDRESS"]
+    port = os.environ.get("MILLPOND_PORT") or DEFAULT_PORT
+    return f"127.0.0.1:{port}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="millpond", description="millpond experience-replay server"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="run the replay daemon",
+                           description="Run the replay daemon. Every flag can also be set "
+                           "as MILLPOND_<FLAG> (flag > environment > default).")
+    add_serve_arguments(serve)
+    for name, text in (("info", "print the server's buffers as a table"),
+                       ("health", "exit 0 if the server reports SERVING, else 1")):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("--address", default=None,
+                       help="server HOST:PORT [env MILLPOND_ADDRESS; default 127.0.0.1:"
+                       "$MILLPOND_PORT or 127.0.0.1:50051]")
+        p.add_argument("--timeout", type=float, default=CLIENT_TIMEOUT_S,
+                       help=f"seconds to wait for the answer (default {CLIENT_TIMEOUT_S})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args)
+    address = args.address or _default_address()
+    if args.command == "info":
+        return cmd_info(address, args.timeout)
+    return cmd_health(address, args.timeout)
+
+
+# ---- serve ----------------------------------------------------------------------
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from millpond.errors import InvalidConfigError, ReplayError
+
+    from .app import maybe_reexec_with_tunables, run
+
+    try:
+        cfg = resolve_serve_config(args)
+    except ConfigError as exc:
+        print(f"millpond serve: {exc}", file=sys.stderr)
+        return 2
+    maybe_reexec_with_tunables()
+    setup_logging(cfg.log_level)
+    try:
+        return run(cfg)
+    except InvalidConfigError as exc:
+        print(f"millpond serve: {exc}", file=sys.stderr)
+        return 2
+    except (ReplayError, OSError) as exc:
+        print(f"millpond serve: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # signal before the handlers were installed
+        return 0
+
+
+# ---- info -----------------------------------------------------------------------
+
+def _unreachable(command: str, address: str, exc: grpc.RpcError) -> int:
+    detail = exc.details() if hasattr(exc, "details") else str(exc)
+    code = exc.code().name if hasattr(exc, "code") else "ERROR"
+    print(f"millpond {command}: cannot reach server at {address} ({code}: {detail})",
+          file=sys.stderr)
+    return 1
+
+
+def _fields_text(config) -> str:
+    import numpy as np
+
+    parts = []
+    for f in config.fields:
+        dtype = np.dtype(f.dtype).name
+        shape = "" if not f.shape else "[" + ",".join(str(d) for d in f.shape) + "]"
+        parts.append(f"{f.name}:{dtype}{shape}")
+    return " ".join(parts)
+
+
+def format_table(buffers) -> str:
+    header = ("NAME", "SIZE", "HOT/TOTAL", "PUSHED", "RECORD_BYTES", "FIELDS")
+    rows = [
+        (b.name, f"{b.size:,}", f"{b.config.hot_capacity:,}/{b.config.total_capacity:,}",
+         f"{b.pushed:,}", f"{b.record_nbytes:,}", _fields_text(b.config))
+        for b in buffers
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    right = {1, 2, 3, 4}  # numbers align right
+
+    def line(row):
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        return "  ".join(cells).rstrip()
+
+    return "\n".join(line(r) for r in [header, *rows])
+
+
+def cmd_info(address: str, timeout: float) -> int:
+    from millpond.v1 import replay_pb2, replay_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = replay_pb2_grpc.ReplayStub(channel).List(replay_pb2.ListRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            return _unreachable("info", address, exc)
+    if not reply.buffers:
+        print(f"no buffers on {address}")
+        return 0
+    print(format_table(reply.buffers))
+    return 0
+
+
+# ---- health ---------------------------------------------------------------------
+
+def cmd_health(address: str, timeout: float) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError as exc:
+            return _unreachable("health", address, exc)
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    logging.basicConfig()
+    sys.exit(main())

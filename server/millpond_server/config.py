@@ -1,0 +1,293 @@
+"""Server configuration: flags > ``MILLPOND_*`` environment > defaults, plus TOML.
+
+Every ``serve`` flag ``--some-flag`` can also be given as ``MILLPOND_SOME_FLAG``.
+The optional TOML file declares buffers to create at start-up::
+
+    [[buffers]]
+    name = "cartpole"
+    hot_capacity = 100_000
+    total_capacity = 1_000_000     # or: capacity = N (RAM only)
+    obs_dim = 4
+    act_dim = 1
+
+    [[buffers]]
+    name = "atari"
+    capacity = 50_000
+    [buffers.fields]
+    obs = { dtype = "uint8", shape = [84, 84, 4] }
+    action = { dtype = "int64" }    # shape defaults to [] (a scalar)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from millpond.core import Schema
+from millpond.errors import InvalidConfigError
+
+ENV_PREFIX = "MILLPOND_"
+
+
+class ConfigError(Exception):
+    """Bad flags, environment or TOML: reported on stderr, exit code 2."""
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    name: str
+    schema: Schema
+    hot_capacity: int
+    total_capacity: int
+
+
+@dataclass(frozen=True)
+class Option:
+    dest: str
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.dest.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(f"must be > 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(f"must be 0-65535, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {value}")
+    return value
+
+
+def _log_level(text: str) -> str:
+    level = text.strip().upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError(f"must be debug, info, warning, error or critical, got {text!r}")
+    return level
+
+
+def _default_workers() -> int:
+    return max(4, min(8, os.cpu_count() or 4))
+
+
+SERVE_OPTIONS = (
+    Option("host", str, "127.0.0.1", "address to bind (0.0.0.0: all interfaces)"),
+    Option("port", _port, 50051, "port to bind (0: any free port)"),
+    Option("data_dir", Path, Path("./millpond-data"), "directory for cold files (created)"),
+    Option("config", Path, None, "TOML file declaring buffers to create at start"),
+    Option("max_message_mb", _positive_int, 512, "max gRPC message size in MiB (both ways)"),
+    Option("grace", _non_negative_float, 10.0, "seconds in-flight calls get on SIGTERM/SIGINT"),
+    Option("workers", _positive_int, None, "engine thread pool size (default 4-8 by CPU)"),
+    Option("log_level", _log_level, "WARNING", "debug, info, warning (default), error"),
+)
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    data_dir: Path = Path("./millpond-data")
+    config: Path | None = None
+    max_message_mb: int = 512
+    grace: float = 10.0
+    workers: int = field(default_factory=_default_workers)
+    log_level: str = "WARNING"
+    buffers: list[BufferSpec] = field(default_factory=list)
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb * 1024 * 1024
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    for opt in SERVE_OPTIONS:
+        # Parsed as text (default None) so we can tell "not given" from a default.
+        parser.add_argument(opt.flag, dest=opt.dest, default=None, metavar=opt.dest.upper(),
+                            help=f"{opt.help} [env {opt.env}; default {opt.default}]")
+
+
+def resolve_serve_config(args: argparse.Namespace, environ=os.environ) -> ServeConfig:
+    """Flag wins over environment, environment over default; then load the TOML."""
+    values: dict[str, Any] = {}
+    for opt in SERVE_OPTIONS:
+        raw, source = getattr(args, opt.dest), opt.flag
+        if raw is None and environ.get(opt.env, "") != "":
+            raw, source = environ[opt.env], opt.env
+        if raw is None:
+            if opt.default is not None:
+                values[opt.dest] = opt.default
+            continue
+        try:
+            values[opt.dest] = opt.type(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{source}={raw!r}: {exc}") from None
+    cfg = ServeConfig(**values)
+    if cfg.config is not None:
+        cfg.buffers = load_buffers(cfg.config)
+    return cfg
+
+
+# ---- TOML -------------------------------------------------------------------
+
+_BUFFER_KEYS = {"name", "hot_capacity", "total_capacity", "capacity", "obs_dim", "act_dim", "fields"}
+
+
+def load_buffers(path: Path) -> list[BufferSpec]:
+    try:
+        with open(path, "rb") as fh:
+            doc = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path}: not found") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: invalid TOML: {exc}") from None
+    unknown = set(doc) - {"buffers"}
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown top-level keys {sorted(unknown)}")
+    tables = doc.get("buffers", [])
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise ConfigError(f"config file {path}: 'buffers' must be an array of tables [[buffers]]")
+    specs, seen = [], set()
+    for i, table in enumerate(tables):
+        where = f"config file {path}: [[buffers]] #{i + 1}"
+        if isinstance(table.get("name"), str):
+            where += f" ({table['name']!r})"
+        spec = _buffer_spec(table, where)
+        if spec.name in seen:
+            raise ConfigError(f"{where}: duplicate buffer name")
+        seen.add(spec.name)
+        specs.append(spec)
+    return specs
+
+
+def _int(table: dict, key: str, where: str) -> int | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _buffer_spec(table: dict, where: str) -> BufferSpec:
+    from .registry import check_name
+
+    unknown = set(table) - _BUFFER_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (allowed: {sorted(_BUFFER_KEYS)})")
+    if "name" not in table:
+        raise ConfigError(f"{where}: missing 'name'")
+    try:
+        name = check_name(table["name"])
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    hot = _int(table, "hot_capacity", where)
+    total = _int(table, "total_capacity", where)
+    capacity = _int(table, "capacity", where)
+    if total is not None and capacity is not None:
+        raise ConfigError(f"{where}: give total_capacity or capacity, not both")
+    total = total if total is not None else capacity
+    if total is None:
+        raise ConfigError(f"{where}: missing total_capacity (or capacity)")
+    hot = hot if hot is not None else total
+    if hot > total:
+        raise ConfigError(f"{where}: hot_capacity ({hot}) > total_capacity ({total})")
+    try:
+        if "fields" in table:
+            if "obs_dim" in table or "act_dim" in table:
+                raise ConfigError(f"{where}: give [buffers.fields] or obs_dim/act_dim, not both")
+            schema = Schema.from_spec(_fields(table["fields"], where))
+        else:
+            obs, act = _int(table, "obs_dim", where), _int(table, "act_dim", where)
+            if obs is None or act is None:
+                raise ConfigError(f"{where}: needs obs_dim and act_dim, or a [buffers.fields] table")
+            schema = Schema.transition(obs, act)
+    except InvalidConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return BufferSpec(name, schema, hot, total)
+
+
+def _fields(fields: Any, where: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    if not isinstance(fields, dict) or not fields:
+        raise ConfigError(f"{where}: fields must be a non-empty table name = {{ dtype, shape }}")
+    spec = {}
+    for name, value in fields.items():
+        if not isinstance(value, dict) or "dtype" not in value or set(value) - {"dtype", "shape"}:
+            raise ConfigError(
+                f"{where}: field {name!r} must be {{ dtype = \"...\", shape = [...] }}, got {value!r}"
+            )
+        shape = value.get("shape", [])
+        if isinstance(shape, int) and not isinstance(shape, bool):
+            shape = [shape]
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in shape
+        ):
+            raise ConfigError(f"{where}: field {name!r}: shape must be a list of integers")
+        if not isinstance(value["dtype"], str):
+            raise ConfigError(f"{where}: field {name!r}: dtype must be a string")
+        spec[name] = (value["dtype"], tuple(shape))
+    return spec
+
+
+# ---- logging ----------------------------------------------------------------
+
+_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+def _kv(key: str, value: Any) -> str:
+    text = str(value)
+    if text == "" or any(c in text for c in ' "=\n\t'):
+        text = '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    return f"{key}={text}"
+
+
+class KeyValueFormatter(logging.Formatter):
+    """``ts=... level=... logger=... msg="..." key=value ...`` (one line, then traceback)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        parts = [
+            _kv("ts", self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}"),
+            _kv("level", record.levelname.lower()),
+            _kv("logger", record.name),
+            _kv("msg", record.getMessage()),
+        ]
+        for key, value in (getattr(record, "kv", None) or {}).items():
+            parts.append(_kv(key, value))
+        line = " ".join(parts)
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(KeyValueFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)

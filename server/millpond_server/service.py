@@ -1,0 +1,248 @@
+"""The ``millpond.v1.Replay`` gRPC service (grpc.aio).
+
+Each handler is decode -> engine call -> encode. Engine calls that may block
+(disk, big copies, lock waits) run on a thread pool, never on the event loop.
+Errors are translated in one place, :func:`translate_errors`, applied to every
+RPC of the class: a :class:`~millpond.errors.ReplayError` becomes its catalog
+status plus the stable code in trailing metadata; anything else is a bug,
+logged with its traceback and reported as INTERNAL.
+
+Bulk paths avoid needless copies of multi-megabyte payloads:
+
+* ``PushBatch`` requests arrive as raw bytes and are parsed on the pool;
+* ``Sample`` replies are encoded by hand on the pool: the gathered arrays are
+  joined once into the reply's wire bytes (the same bytes protobuf would
+  produce for ``SampleReply``), which the server sends as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from concurrent.futures import Executor
+from typing import Any, Callable
+
+import grpc
+import numpy as np
+
+from millpond.core import Schema, TieredBuffer
+from millpond.errors import InternalError, MessageTooLargeError, ReplayError
+from millpond.v1 import replay_pb2 as pb
+from millpond.wire.codec import decode_batch, decode_config, encode_config
+from millpond.wire.status import ERROR_CODE_KEY, status_for
+
+from .registry import Registry, check_name
+
+log = logging.getLogger("millpond.service")
+
+SERVICE_NAME = "millpond.v1.Replay"
+_METHODS = tuple(pb.DESCRIPTOR.services_by_name["Replay"].methods_by_name)
+
+
+# ---- the one error translator -----------------------------------------------------
+
+def _rpc(method: Callable) -> Callable:
+    @functools.wraps(method)
+    async def handler(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except ReplayError as exc:
+            status, code = status_for(exc)
+            await context.abort(status, str(exc), trailing_metadata=((ERROR_CODE_KEY, code),))
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            log.exception("unexpected error", extra={"kv": {"rpc": method.__name__}})
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"internal server error in {method.__name__}: {type(exc).__name__}: {exc}",
+                trailing_metadata=((ERROR_CODE_KEY, InternalError.code),),
+            )
+
+    return handler
+
+
+def translate_errors(cls: type) -> type:
+    """Wrap every RPC method of the service class in the error translator."""
+    for name in _METHODS:
+        setattr(cls, name, _rpc(getattr(cls, name)))
+    return cls
+
+
+# ---- wire helpers -------------------------------------------------------------------
+
+def buffer_info(name: str, buffer: TieredBuffer) -> pb.BufferInfo:
+    info = buffer.info()
+    return pb.BufferInfo(
+        name=name,
+        config=encode_config(buffer.schema, info["hot_capacity"], info["total_capacity"]),
+        size=info["size"],
+        pushed=info["pushed"],
+        hot_size=info["hot_size"],
+        cold_size=info["cold_size"],
+        record_nbytes=info["record_nbytes"],
+        cold_path=info["cold_path"] or "",
+    )
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _len_field(number: int, length: int) -> bytes:
+    """Tag (wire type 2) and length prefix of a length-delimited field."""
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+def _column_header(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """``Column`` fields 1-3 and the tag+length of ``data`` (field 4)."""
+    name_b, dtype_b = name.encode(), dtype.encode()
+    shape_b = b"".join(_varint(d) for d in shape)
+    head = _len_field(1, len(name_b)) + name_b + _len_field(2, len(dtype_b)) + dtype_b
+    if shape_b:
+        head += _len_field(3, len(shape_b)) + shape_b  # packed repeated int64
+    return head + _len_field(4, nbytes)
+
+
+def sample_reply_nbytes(schema: Schema, batch_size: int) -> int:
+    """Exact wire size of the SampleReply for ``batch_size`` records."""
+    batch_len = 0
+    for f in schema:
+        nbytes = batch_size * f.nbytes
+        col = len(_column_header(f.name, f.dtype.str, (batch_size, *f.shape), nbytes)) + nbytes
+        batch_len += len(_len_field(1, col)) + col
+    return len(_len_field(1, batch_len)) + batch_len if batch_len else 0
+
+
+def encode_sample_reply(columns: dict[str, np.ndarray]) -> bytes:
+    """Serialized ``SampleReply``; each array's bytes are copied exactly once."""
+    parts: list[Any] = []
+    batch_len = 0
+    for name, arr in columns.items():
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        head = _column_header(name, arr.dtype.str, arr.shape, arr.nbytes)
+        col = len(head) + arr.nbytes
+        prefix = _len_field(1, col)
+        parts += [prefix, head, memoryview(arr).cast("B")]
+        batch_len += len(prefix) + col
+    if not batch_len:
+        return b""
+    return b"".join([_len_field(1, batch_len), *parts])
+
+
+def _passthrough_or_serialize(message) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+# ---- the service --------------------------------------------------------------------
+
+@translate_errors
+class ReplayService:
+    """Adapts ``millpond.v1.Replay`` calls to the registry and its buffers."""
+
+    def __init__(self, registry: Registry, executor: Executor, max_message_mb: int):
+        self.registry = registry
+        self.executor = executor
+        self.max_message_mb = max_message_mb
+        self.max_message_bytes = max_message_mb * 1024 * 1024
+
+    async def _run(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def Create(self, request: pb.CreateRequest, context) -> pb.BufferInfo:
+        name = check_name(request.name)
+        schema, hot, total = decode_config(request.config)
+        buffer, _ = await self._run(self.registry.create, name, schema, hot, total)
+        return await self._run(buffer_info, name, buffer)
+
+    async def Push(self, request: pb.PushRequest, context) -> pb.PushReply:
+        buffer = self.registry.get(request.name)
+        record = decode_batch(request.record)
+        return await self._run(self._push, buffer, record)
+
+    @staticmethod
+    def _push(buffer: TieredBuffer, record: dict) -> pb.PushReply:
+        buffer.push(record)
+        return pb.PushReply(size=len(buffer), pushed=buffer.pushed)
+
+    async def PushBatch(self, request: bytes, context) -> pb.PushReply:
+        # Arrives unparsed (see add_to_server): parsing megabytes stays off the loop.
+        return await self._run(self._push_batch, request)
+
+    def _push_batch(self, raw: bytes) -> pb.PushReply:
+        request = pb.PushBatchRequest.FromString(raw)
+        buffer = self.registry.get(request.name)
+        buffer.push_batch(decode_batch(request.batch))
+        return pb.PushReply(size=len(buffer), pushed=buffer.pushed)
+
+    async def Sample(self, request: pb.SampleRequest, context) -> bytes:
+        buffer = self.registry.get(request.name)
+        seed = request.seed if request.HasField("seed") else None
+        return await self._run(self._sample, buffer, request.batch_size, seed)
+
+    def _sample(self, buffer: TieredBuffer, batch_size: int, seed: int | None) -> bytes:
+        if batch_size > 0:
+            nbytes = sample_reply_nbytes(buffer.schema, batch_size)
+            if nbytes > self.max_message_bytes:
+                raise MessageTooLargeError(
+                    f"sample reply of {nbytes:,} bytes ({batch_size:,} records of "
+                    f"{buffer.schema.record_nbytes:,} bytes) exceeds --max-message-mb "
+                    f"{self.max_message_mb} ({self.max_message_bytes:,} bytes); "
+                    "sample fewer records per call"
+                )
+        return encode_sample_reply(buffer.sample(batch_size, seed))
+
+    async def Close(self, request: pb.CloseRequest, context) -> pb.CloseReply:
+        await self._run(self.registry.close, request.name)
+        return pb.CloseReply()
+
+    async def Info(self, request: pb.InfoRequest, context) -> pb.BufferInfo:
+        buffer = self.registry.get(request.name)
+        return await self._run(buffer_info, request.name, buffer)
+
+    async def List(self, request: pb.ListRequest, context) -> pb.ListReply:
+        return await self._run(self._list)
+
+    def _list(self) -> pb.ListReply:
+        return pb.ListReply(buffers=[buffer_info(n, b) for n, b in self.registry.list()])
+
+
+def add_to_server(service: ReplayService, server: grpc.aio.Server) -> None:
+    """Register the service like the generated ``add_ReplayServicer_to_server``,
+    except that PushBatch requests are handed over unparsed and handlers may
+    return already-serialized replies (bytes)."""
+    requests = {
+        "Create": pb.CreateRequest.FromString,
+        "Push": pb.PushRequest.FromString,
+        "PushBatch": _identity,
+        "Sample": pb.SampleRequest.FromString,
+        "Close": pb.CloseRequest.FromString,
+        "Info": pb.InfoRequest.FromString,
+        "List": pb.ListRequest.FromString,
+    }
+    assert set(requests) == set(_METHODS), "service methods changed: update add_to_server"
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(service, name),
+            request_deserializer=parse,
+            response_serializer=_passthrough_or_serialize,
+        )
+        for name, parse in requests.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
