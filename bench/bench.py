@@ -1,0 +1,190 @@
+"""millpond benchmark: throughput and memory, each beside a baseline measured in the same run.
+
+    make bench                 # full run (a few minutes)
+    make bench ARGS=--quick    # smaller, for a smoke check
+
+For CartPole-size (obs float32[4]) and Atari-size (obs uint8[84,84,4])
+transitions it prints push_batch and sample(256) throughput for a plain numpy
+ring (the baseline: one slice copy per field to push, one np.take per field to
+sample), the in-process millpond buffer, and a remote buffer on a daemon in
+another process. Figures are medians of repeated timed runs; ratios are
+against the numpy ring of the same run, since machines here are shared.
+Finally it fills a daemon with 1M CartPole transitions and prints its resident
+memory per stored record against the record's payload bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import millpond  # noqa: E402
+from millpond.core import Schema, TieredBuffer  # noqa: E402
+from support import ServerProcess  # noqa: E402
+
+SAMPLE_BATCH = 256
+
+
+@dataclass
+class Workload:
+    name: str
+    schema: Schema
+    push_batch: int  # records per push_batch call
+    hot: int
+    total: int
+
+    def batch(self, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        out = {}
+        for f in self.schema:
+            if f.dtype.kind == "b":
+                out[f.name] = rng.random((n,) + f.shape) < 0.01
+            elif f.dtype.kind == "u":
+                out[f.name] = rng.integers(0, 255, (n,) + f.shape, dtype=f.dtype)
+            else:
+                out[f.name] = rng.random((n,) + f.shape).astype(f.dtype)
+        return out
+
+
+def workloads(quick: bool) -> list[Workload]:
+    scale = 10 if quick else 1
+    atari = Schema.from_spec({
+        "obs": ("uint8", (84, 84, 4)),
+        "next_obs": ("uint8", (84, 84, 4)),
+        "actions": ("int64", ()),
+        "rewards": ("float32", ()),
+        "terminated": ("bool", ()),
+        "truncated": ("bool", ()),
+    })
+    return [
+        Workload("CartPole", Schema.transition(4, 1), 10_000, 100_000 // scale, 1_000_000 // scale),
+        Workload("Atari", atari, 64, 2_000 // scale, 10_000 // scale),
+    ]
+
+
+class NumpyRing:
+    """The baseline: a single-tier ring of numpy arrays, nothing else."""
+
+    def __init__(self, schema: Schema, capacity: int):
+        self.capacity = capacity
+        self.columns = {f.name: np.zeros((capacity,) + f.shape, f.dtype) for f in schema}
+        self.pos = self.size = 0
+
+    def push_batch(self, batch: dict) -> None:
+        n = len(next(iter(batch.values())))
+        for name, col in self.columns.items():
+            end = self.pos + n  # batches divide the capacity in this benchmark
+            col[self.pos:end] = batch[name]
+        self.pos = (self.pos + n) % self.capacity
+        self.size = min(self.size + n, self.capacity)
+
+    def sample(self, batch_size: int, seed=None) -> dict:
+        idx = np.random.default_rng(seed).integers(0, self.size, batch_size)
+        return {name: np.take(col, idx, axis=0, mode="clip") for name, col in self.columns.items()}
+
+
+def timed_rate(fn, items_per_call: int, seconds: float, repeats: int = 3) -> float:
+    """Median items/s over ``repeats`` runs of about ``seconds`` each."""
+    rates = []
+    fn()  # warm up
+    for _ in range(repeats):
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+        rates.append(calls * items_per_call / elapsed)
+    return statistics.median(rates)
+
+
+def measure(w: Workload, push, sample, seconds: float) -> tuple[float, float]:
+    rng = np.random.default_rng(0)
+    batch = w.batch(w.push_batch, rng)
+    filled = 0
+    while filled < w.total:  # fill, so sampling reaches both tiers
+        push(batch)
+        filled += w.push_batch
+    push_rate = timed_rate(lambda: push(batch), w.push_batch, seconds)
+    seeds = iter(range(10**9))
+    sample_rate = timed_rate(lambda: sample(SAMPLE_BATCH, next(seeds)), SAMPLE_BATCH, seconds)
+    return push_rate, sample_rate
+
+
+def fmt_rate(rate: float, record_nbytes: int) -> str:
+    return f"{rate:>12,.0f} rec/s {rate * record_nbytes / 1e9:>7.2f} GB/s"
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def memory_figure(server: ServerProcess, records: int) -> None:
+    w = Workload("CartPole", Schema.transition(4, 1), 10_000, records // 10, records)
+    client = millpond.connect(server.address)
+    before = rss_bytes(server.proc.pid)
+    buf = client.create_buffer("bench-memory", hot_capacity=w.hot, total_capacity=w.total,
+                               fields=w.schema)
+    batch = w.batch(w.push_batch, np.random.default_rng(1))
+    for _ in range(records // w.push_batch):
+        buf.push_batch(**batch)
+    after = rss_bytes(server.proc.pid)
+    per_record = (after - before) / records
+    payload = w.schema.record_nbytes
+    print(f"\nMemory: daemon RSS grew {(after - before) / 1e6:,.1f} MB for {records:,} CartPole "
+          f"records (hot {w.hot:,} in RAM, the rest in the mapped cold file)")
+    print(f"  {per_record:.1f} bytes/record resident vs {payload} payload bytes "
+          f"= {per_record / payload:.2f}x (target <= 1.2x)")
+    buf.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, short timings")
+    parser.add_argument("--seconds", type=float, default=None, help="time per measurement")
+    args = parser.parse_args()
+    seconds = args.seconds or (0.3 if args.quick else 1.0)
+    tmp = Path(tempfile.mkdtemp(prefix="millpond-bench-"))
+    print(f"millpond {millpond.__version__} benchmark; numpy {np.__version__}; "
+          f"{os.cpu_count()} cores; sample batch {SAMPLE_BATCH}; median of 3 x {seconds}s\n")
+    with ServerProcess(tmp / "data") as server:
+        client = millpond.connect(server.address)
+        header = f"{'workload':9} {'op':17} {'path':10} {'throughput':>31} {'vs numpy':>9}"
+        print(header + "\n" + "-" * len(header))
+        for w in workloads(args.quick):
+            ring = NumpyRing(w.schema, w.total)
+            local = TieredBuffer(w.schema, w.hot, w.total, tmp / f"{w.name}.cold")
+            remote = client.create_buffer(f"bench-{w.name}", hot_capacity=w.hot,
+                                          total_capacity=w.total, fields=w.schema)
+            paths = {
+                "numpy": (ring.push_batch, ring.sample),
+                "in-process": (local.push_batch, local.sample),
+                "remote": (lambda b, r=remote: r.push_batch(**b), remote.sample),
+            }
+            rates = {path: measure(w, push, sample, seconds) for path, (push, sample) in paths.items()}
+            for i, op in enumerate((f"push_batch({w.push_batch})", f"sample({SAMPLE_BATCH})")):
+                for path, pair in rates.items():
+                    ratio = pair[i] / rates["numpy"][i]
+                    print(f"{w.name:9} {op:17} {path:10} {fmt_rate(pair[i], w.schema.record_nbytes)}"
+                          f" {ratio:>8.2f}x")
+            local.close()
+            remote.close()
+        memory_figure(server, 100_000 if args.quick else 1_000_000)
+
+
+if __name__ == "__main__":
+    main()

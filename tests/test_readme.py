@@ -1,0 +1,27 @@
+"""The README's quickstart runs as written (the server one against a real daemon)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_starts_with_the_two_commands():
+    first_block = re.search(r"```sh\n(.*?)```", README.read_text(), flags=re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines()]
+    assert commands[:2] == ["make run", "make test"]
+
+
+def test_in_process_quickstart_runs():
+    exec(compile(python_blocks()[0], "README.md[0]", "exec"), {})
+
+
+def test_server_quickstart_runs(server):
+    code = python_blocks()[1].replace("localhost:50051", server.address)
+    exec(compile(code, "README.md[1]", "exec"), {})
