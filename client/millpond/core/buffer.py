@@ -19,6 +19,7 @@ import numbers
 import os
 import tempfile
 import threading
+import weakref
 from typing import Any, Mapping
 
 import numpy as np
@@ -72,6 +73,9 @@ class TieredBuffer:
         if total > hot:
             path = os.fspath(cold_path) if cold_path is not None else _temp_cold_path()
             self._cold_file = ColdFile.create(path, schema, hot, total)
+            # Like the reference's Drop: a buffer dropped (or alive at exit)
+            # without close() still unmaps and deletes its cold file.
+            weakref.finalize(self, self._cold_file.close, True)
         self._hot = Tier.in_memory(schema, hot)
 
     # ---- sizes --------------------------------------------------------------

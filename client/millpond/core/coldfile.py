@@ -37,7 +37,9 @@ PAGE = mmap.PAGESIZE
 _PREFIX = struct.Struct("<8sIIQI")  # magic, version, header size, pushed, json length
 _PUSHED_OFFSET = 16
 _JSON_OFFSET = 64
-SEQ_REGION = "__seq__"
+# Not a Python identifier, so no field name (fields must be identifiers) can
+# collide with it in the region table.
+SEQ_REGION = "#seq"
 
 
 def _round_up(n: int, to: int = PAGE) -> int:
