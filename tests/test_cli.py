@@ -1,0 +1,304 @@
+"""The ``millpond`` command: config layering, TOML, info/health, the Docker entrypoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from millpond.v1 import replay_pb2 as pb
+from millpond.v1 import replay_pb2_grpc
+from millpond.wire.codec import encode_batch
+from support import ServerProcess, wait_for_ready
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+BIN = Path(sys.executable).parent
+TIMEOUT = 10.0
+
+BUFFERS_TOML = """
+[[buffers]]
+name = "cartpole"
+hot_capacity = 100
+total_capacity = 1_000
+obs_dim = 4
+act_dim = 1
+
+[[buffers]]
+name = "atari"
+capacity = 50
+[buffers.fields]
+obs = { dtype = "uint8", shape = [84, 84, 4] }
+action = { dtype = "int64" }
+reward = { dtype = "float32", shape = [] }
+"""
+
+
+def run_cli(*args, env=None, timeout=30):
+    return subprocess.run([sys.executable, "-m", "millpond_server", *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def list_buffers(address):
+    with grpc.insecure_channel(address) as channel:
+        reply = replay_pb2_grpc.ReplayStub(channel).List(pb.ListRequest(), timeout=TIMEOUT)
+    return {b.name: b for b in reply.buffers}
+
+
+@pytest.fixture
+def toml_file(tmp_path):
+    path = tmp_path / "buffers.toml"
+    path.write_text(BUFFERS_TOML)
+    return path
+
+
+# ---- config --------------------------------------------------------------------------
+
+def test_toml_buffers_exist_at_start(tmp_path, toml_file):
+    with ServerProcess(tmp_path / "data", "--config", str(toml_file)) as srv:
+        buffers = list_buffers(srv.address)
+        assert set(buffers) == {"cartpole", "atari"}
+        cp, at = buffers["cartpole"], buffers["atari"]
+        assert (cp.config.hot_capacity, cp.config.total_capacity) == (100, 1000)
+        assert [f.name for f in cp.config.fields] == [
+            "obs", "next_obs", "actions", "rewards", "terminated", "truncated"]
+        assert cp.cold_path == str(tmp_path / "data" / "cartpole.cold")
+        assert os.path.exists(cp.cold_path)
+        assert (at.config.hot_capacity, at.config.total_capacity) == (50, 50)
+        assert {f.name: (f.dtype, list(f.shape)) for f in at.config.fields} == {
+            "obs": ("|u1", [84, 84, 4]), "action": ("<i8", []), "reward": ("<f4", [])}
+        assert at.record_nbytes == 84 * 84 * 4 + 8 + 4
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[[buffers]\nname = 'x'", "invalid TOML"),
+    ("[[buffers]]\ncapacity = 10\nobs_dim = 1\nact_dim = 1", "missing 'name'"),
+    ("[[buffers]]\nname = '../x'\ncapacity = 10\nobs_dim = 1\nact_dim = 1", "invalid buffer name"),
+    ("[[buffers]]\nname = 'x'\nobs_dim = 1\nact_dim = 1", "total_capacity"),
+    ("[[buffers]]\nname = 'x'\ncapacity = 10\nobs_dim = 1", "obs_dim and act_dim"),
+    ("[[buffers]]\nname = 'x'\nhot_capacity = 20\ncapacity = 10\nobs_dim = 1\nact_dim = 1",
+     "hot_capacity (20) > total_capacity (10)"),
+    ("[[buffers]]\nname = 'x'\ncapacity = 10\n[buffers.fields]\nobs = { dtype = 'object' }",
+     "dtype"),
+    ("[[buffers]]\nname = 'x'\ncapacity = 10\ncolour = 'red'\nobs_dim = 1\nact_dim = 1",
+     "unknown keys ['colour']"),
+    ("[[buffers]]\nname = 'x'\ncapacity = 1\nobs_dim = 1\nact_dim = 1\n"
+     "[[buffers]]\nname = 'x'\ncapacity = 1\nobs_dim = 1\nact_dim = 1", "duplicate"),
+])
+def test_bad_config_exits_2_with_a_clear_message(tmp_path, text, needle):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    result = run_cli("serve", "--port", "0", "--data-dir", str(tmp_path / "d"), "--config", str(path))
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr and str(path) in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize("args,env,needle", [
+    (["--config", "/nonexistent.toml"], {}, "not found"),
+    (["--port", "70000"], {}, "--port"),
+    ([], {"MILLPOND_GRACE": "soon"}, "MILLPOND_GRACE"),
+    ([], {"MILLPOND_MAX_MESSAGE_MB": "0"}, "MILLPOND_MAX_MESSAGE_MB"),
+    (["--log-level", "chatty"], {}, "--log-level"),
+])
+def test_bad_flags_and_env_exit_2(tmp_path, args, env, needle):
+    result = run_cli("serve", "--port", "0", "--data-dir", str(tmp_path / "d"), *args, env=env)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr
+
+
+def test_env_vars_are_honoured_and_flags_win(tmp_path, toml_file):
+    env = {
+        "MILLPOND_CONFIG": str(toml_file),        # env only: used
+        "MILLPOND_MAX_MESSAGE_MB": "1",           # env only: used
+        "MILLPOND_HOST": "192.0.2.1",             # flag --host 127.0.0.1 wins
+        "MILLPOND_PORT": "1",                     # flag --port 0 wins
+        "MILLPOND_DATA_DIR": str(tmp_path / "env-dir"),  # flag wins
+        "MILLPOND_LOG_LEVEL": "info",
+    }
+    srv = ServerProcess(tmp_path / "data", env=env).start()
+    try:
+        assert srv.address.startswith("127.0.0.1:") and not srv.address.endswith(":1")
+        buffers = list_buffers(srv.address)
+        assert set(buffers) == {"cartpole", "atari"}
+        assert buffers["cartpole"].cold_path.startswith(str(tmp_path / "data"))
+        assert not (tmp_path / "env-dir").exists()
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = replay_pb2_grpc.ReplayStub(channel)
+            for _ in range(2):  # 2 x 847 KB requests fit in 1 MiB, a 40-record reply does not
+                stub.PushBatch(pb.PushBatchRequest(name="atari", batch=encode_batch({
+                    "obs": np.zeros((30, 84, 84, 4), np.uint8), "action": np.zeros(30, np.int64),
+                    "reward": np.zeros(30, np.float32)})), timeout=TIMEOUT)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Sample(pb.SampleRequest(name="atari", batch_size=40), timeout=TIMEOUT)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-message-mb 1 " in err.value.details()
+        assert srv.stop() == 0
+        stderr = srv.proc.stderr.read()
+        assert "level=info" in stderr and "msg=serving" in stderr  # MILLPOND_LOG_LEVEL
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+
+
+def test_quiet_by_default_and_logs_are_key_value(tmp_path):
+    srv = ServerProcess(tmp_path / "data").start()
+    assert srv.stop() == 0
+    assert srv.proc.stderr.read() == ""
+    srv = ServerProcess(tmp_path / "data", "--log-level", "info").start()
+    assert srv.stop(signal.SIGINT) == 0
+    lines = srv.proc.stderr.read().splitlines()
+    assert lines and all(line.startswith("ts=") and " level=" in line for line in lines)
+    assert any("msg=stopping" in line and "signal=SIGINT" in line for line in lines)
+
+
+def test_reexec_sets_glibc_tunables_once(tmp_path):
+    def environ_of(srv):
+        raw = Path(f"/proc/{srv.proc.pid}/environ").read_bytes().split(b"\0")
+        return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MILLPOND_NO_REEXEC")}
+    srv = ServerProcess(tmp_path / "a").start()
+    srv.env = env
+    srv.stop()
+    srv = ServerProcess(tmp_path / "a")
+    srv.env = env
+    srv.start()
+    try:
+        assert "glibc.malloc.mmap_threshold" in environ_of(srv).get("GLIBC_TUNABLES", "")
+        assert srv.stop() == 0  # same PID after exec: signals still reach the server
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+    srv = ServerProcess(tmp_path / "b")
+    srv.env = {**env, "MILLPOND_NO_REEXEC": "1"}
+    srv.start()
+    try:
+        assert "GLIBC_TUNABLES" not in environ_of(srv)
+    finally:
+        assert srv.stop() == 0
+
+
+# ---- info / health -------------------------------------------------------------------
+
+def test_info_prints_an_aligned_table(tmp_path, toml_file):
+    with ServerProcess(tmp_path / "data", "--config", str(toml_file)) as srv:
+        result = run_cli("info", "--address", srv.address)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[0].split() == ["NAME", "SIZE", "HOT/TOTAL", "PUSHED", "RECORD_BYTES", "FIELDS"]
+        assert [line.split()[0] for line in lines[1:]] == ["atari", "cartpole"]
+        atari = next(line for line in lines if line.startswith("atari"))
+        assert "50/50" in atari and "28,236" in atari
+        assert "obs:uint8[84,84,4] action:int64 reward:float32" in atari
+        cartpole = next(line for line in lines if line.startswith("cartpole"))
+        assert "100/1,000" in cartpole and "obs:float32[4]" in cartpole
+        # aligned: every row's FIELDS column starts where the header's does
+        col = lines[0].index("FIELDS")
+        assert all(line[col - 2: col] == "  " and line[col] != " " for line in lines[1:])
+        # MILLPOND_ADDRESS is the default address
+        via_env = run_cli("info", env={"MILLPOND_ADDRESS": srv.address})
+        assert via_env.stdout == result.stdout
+
+
+def test_info_and_health_on_unreachable_server_exit_1():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    for command in ("info", "health"):
+        result = run_cli(command, "--address", address, "--timeout", "3")
+        assert result.returncode == 1
+        err = result.stderr.strip().splitlines()
+        assert len(err) == 1 and "cannot reach server at " + address in err[0]
+
+
+def test_health_serving(server):
+    result = run_cli("health", "--address", server.address)
+    assert result.returncode == 0 and result.stdout.strip() == "SERVING"
+
+
+def test_usage_errors_exit_2():
+    assert run_cli().returncode == 2
+    assert run_cli("frobnicate").returncode == 2
+    help_ = run_cli("serve", "--help")
+    assert help_.returncode == 0 and "MILLPOND_MAX_MESSAGE_MB" in help_.stdout
+
+
+# ---- the Docker image's entrypoint ----------------------------------------------------
+
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    out, pending = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        full = (pending + line).strip()
+        pending = ""
+        keyword, _, rest = full.partition(" ")
+        out.append((keyword.upper(), rest.strip()))
+    return out
+
+
+def dockerfile_image_config() -> tuple[list[str], dict[str, str], list[str]]:
+    """(ENTRYPOINT, ENV of the final image, HEALTHCHECK CMD) as Docker would see them."""
+    entrypoint, env, health = None, {}, None
+    for keyword, rest in _dockerfile_instructions():
+        if keyword == "FROM":
+            entrypoint, env, health = None, {}, None
+        elif keyword == "ENTRYPOINT":
+            entrypoint = json.loads(rest)
+        elif keyword == "ENV":
+            for item in shlex.split(rest):
+                key, _, value = item.partition("=")
+                env[key] = value
+        elif keyword == "HEALTHCHECK":
+            health = json.loads(rest[rest.index("CMD") + 3:].strip())
+    assert entrypoint and health, "Dockerfile must have exec-form ENTRYPOINT and HEALTHCHECK"
+    return entrypoint, env, health
+
+
+def test_dockerfile_is_as_documented():
+    text = DOCKERFILE.read_text()
+    entrypoint, env, health = dockerfile_image_config()
+    assert entrypoint == ["millpond", "serve"]
+    assert health == ["millpond", "health"]
+    assert env["MILLPOND_HOST"] == "0.0.0.0" and env["MILLPOND_DATA_DIR"] == "/data"
+    assert "FROM python:3.11-slim" in text and "EXPOSE 50051" in text
+    assert "USER millpond" in text and 'VOLUME ["/data"]' in text
+
+
+def test_docker_entrypoint_serves_answers_health_and_exits_0_on_sigterm(tmp_path):
+    entrypoint, image_env, health_cmd = dockerfile_image_config()
+    with socket.socket() as s:  # a free port, since the test host is shared
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **image_env, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+           "MILLPOND_DATA_DIR": str(tmp_path / "data"),  # /data in the image
+           "MILLPOND_PORT": str(port)}
+    proc = subprocess.Popen(entrypoint, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=tmp_path)
+    try:
+        address = wait_for_ready(proc, 30)
+        assert address == f"0.0.0.0:{port}"
+        assert (tmp_path / "data").is_dir()
+        health = subprocess.run(health_cmd, env=env, capture_output=True, text=True, timeout=30)
+        assert health.returncode == 0, health.stderr
+        assert list_buffers(f"127.0.0.1:{port}") == {}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
