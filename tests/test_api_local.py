@@ -418,3 +418,14 @@ def test_sampling_is_uniform_over_hot_and_cold(tmp_path):
     # And the spread across records looks binomial, not degenerate (chi-square, 199 dof).
     chi2 = float(((live - mean) ** 2 / mean).sum())
     assert 199 - 5 * math.sqrt(2 * 199) < chi2 < 199 + 5 * math.sqrt(2 * 199), chi2
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, "7", [1, 2]])
+def test_sample_invalid_seed_is_a_typed_error(new, seed):
+    """A bad seed is the caller's mistake: a millpond error (and a ValueError), not numpy's."""
+    buf = new()
+    buf.push_batch(**batch(0, 5))
+    with pytest.raises(millpond.InvalidArgumentError) as excinfo:
+        buf.sample(2, seed)
+    assert isinstance(excinfo.value, ValueError)
+    assert len(buf) == 5
