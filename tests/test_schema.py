@@ -329,6 +329,10 @@ def test_empty_batch_accepted_and_changes_nothing(filled):
         {"x": ("float32", (3, 0))},
         {"x": ("float32", (-1,))},
         {"x": ("float32", ("a",))},
+        {"x": ("float32", (2.5,))},  # not silently truncated to 2
+        {"x": ("float32", 2.7)},
+        {"x": ("float32", ("3",))},
+        {"x": ("float32", (True,))},
         {"my field": ("float32", ())},
         {"1x": ("float32", ())},
         {"": ("float32", ())},
@@ -358,6 +362,11 @@ def test_fields_and_dims_together_rejected(tmp_path):
     with pytest.raises(millpond.InvalidConfigError):
         millpond.ReplayBuffer(10)  # neither
     assert not (tmp_path / "c").exists()
+
+
+def test_schema_dims_accept_numpy_ints_and_bare_int():
+    schema = millpond.Schema.from_spec({"x": ("float32", (np.int64(2), 3)), "y": ("uint8", 4)})
+    assert schema["x"].shape == (2, 3) and schema["y"].shape == (4,)
 
 
 def test_schema_spec_round_trips():

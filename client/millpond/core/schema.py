@@ -7,6 +7,7 @@ touches it (:meth:`Schema.coerce_batch`), so a rejected push changes nothing.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -59,9 +60,13 @@ class Field:
 def _make_field(name: Any, dtype: Any, shape: Any) -> Field:
     if not isinstance(name, str) or not name.isidentifier():
         raise InvalidConfigError(f"field name must be a Python identifier, got {name!r}")
+    raw = shape if isinstance(shape, (tuple, list)) else (shape,)
+    # operator.index, not int(): a dimension of 2.5 or "3" is a mistake, not 2 or 3.
     try:
-        dims = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-    except (TypeError, ValueError) as exc:
+        if any(isinstance(d, bool) for d in raw):
+            raise TypeError("bool is not a dimension")
+        dims = tuple(operator.index(d) for d in raw)
+    except TypeError as exc:
         raise InvalidConfigError(f"field {name!r}: shape must be a tuple of ints") from exc
     if any(d <= 0 for d in dims):
         raise InvalidConfigError(f"field {name!r}: every dimension must be > 0, got {dims}")
