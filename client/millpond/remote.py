@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 import grpc
 import numpy as np
 
-from .core.buffer import check_batch_size
+from .core.buffer import check_batch_size, check_seed
 from .core.schema import Schema
 from .errors import BufferClosedError, BufferNotFoundError, MessageTooLargeError
 from .v1 import replay_pb2 as pb
@@ -122,9 +122,8 @@ class RemoteBuffer:
     def sample(self, batch_size: int, seed: int | None = None) -> dict[str, np.ndarray]:
         """Sample on the server; returns writable arrays like the in-process buffer."""
         self._check_open()
-        batch_size = check_batch_size(batch_size)
-        request = pb.SampleRequest(name=self.name, batch_size=batch_size)
-        if seed is not None:
+        request = pb.SampleRequest(name=self.name, batch_size=check_batch_size(batch_size))
+        if check_seed(seed) is not None:
             request.seed = int(seed)
         reply = self._client.stub.Sample(request, timeout=self._client.timeout)
         # Arrays decoded from the reply view immutable bytes; copy once so the

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import (
     BufferClosedError,
+    InvalidArgumentError,
     InvalidBatchSizeError,
     InvalidConfigError,
     NotEnoughDataError,
@@ -131,6 +132,7 @@ class TieredBuffer:
 
     def push(self, record: Mapping[str, Any]) -> None:
         """Append one record (``{field: value}``); validated before anything changes."""
+        self._check_open()
         batch = self.schema.coerce_record(record)
         with self._lock:
             self._check_open()
@@ -142,6 +144,7 @@ class TieredBuffer:
         Validated in full before anything changes: a rejected batch leaves the
         buffer exactly as it was. An empty batch is accepted and stores nothing.
         """
+        self._check_open()
         n, batch = self.schema.coerce_batch(columns)
         with self._lock:
             self._check_open()
@@ -186,7 +189,7 @@ class TieredBuffer:
         arrays (``{field: array[batch_size, *shape]}``), e.g. shared memory.
         """
         batch_size = check_batch_size(batch_size)
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(check_seed(seed))
         with self._lock:
             self._check_open()
             size = self._size()
@@ -224,6 +227,15 @@ class TieredBuffer:
             "an in-process buffer cannot be pickled; to share one buffer between "
             "processes, serve it (millpond serve) and pass address= and name="
         )
+
+
+def check_seed(seed: Any) -> int | None:
+    """Return ``seed`` (None, or an int in [0, 2**64)), or raise InvalidArgumentError."""
+    if seed is None:
+        return None
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+        raise InvalidArgumentError(f"seed must be None or an integer in [0, 2**64), got {seed!r}")
+    return int(seed)
 
 
 def check_batch_size(batch_size: Any) -> int:

@@ -27,7 +27,7 @@ import struct
 
 import numpy as np
 
-from ..errors import CorruptFileError, StorageFullError
+from ..errors import CorruptFileError, InvalidConfigError, StorageFullError
 from .schema import Schema
 from .tier import EMPTY_SEQ, SEQ_DTYPE, Tier
 
@@ -90,7 +90,10 @@ class ColdFile:
         }
         header, regions, size = _layout(schema, cold_capacity, meta)
         meta["regions"] = regions
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            raise InvalidConfigError(f"cannot create cold file {path}: {exc.strerror}") from exc
         try:
             _allocate(fd, size, path)
             mm = mmap.mmap(fd, size)
