@@ -68,7 +68,8 @@ def test_oversized_sample_reply_names_the_server_limit(tmp_path):
         buf = millpond.connect(server.address).create_buffer(
             "big", capacity=1000, fields={"x": ("float32", (1024,))}
         )
-        buf.push_batch(x=np.ones((300, 1024), np.float32))  # 1.2 MB in total
+        for _ in range(2):  # 2 x 0.6 MB pushes, each under the limit
+            buf.push_batch(x=np.ones((150, 1024), np.float32))
         with pytest.raises(millpond.MessageTooLargeError, match="max-message-mb"):
             buf.sample(300)
         assert buf.sample(10)["x"].shape == (10, 1024)
