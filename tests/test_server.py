@@ -424,3 +424,20 @@ def test_sigterm_during_traffic_exits_zero_and_cleans_up(tmp_path):
     finally:
         if srv.proc.poll() is None:
             srv.proc.kill()
+
+
+def test_health_turns_not_serving_on_sigterm(tmp_path):
+    srv = ServerProcess(tmp_path / "data", "--grace", "1").start()
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            stream = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service="millpond.v1.Replay"), timeout=TIMEOUT)
+            statuses = iter(stream)
+            assert next(statuses).status == health_pb2.HealthCheckResponse.SERVING
+            srv.proc.send_signal(signal.SIGTERM)
+            assert next(statuses).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            stream.cancel()
+        assert srv.proc.wait(TIMEOUT) == 0
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
