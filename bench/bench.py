@@ -81,9 +81,10 @@ class NumpyRing:
 
     def push_batch(self, batch: dict) -> None:
         n = len(next(iter(batch.values())))
+        head = min(n, self.capacity - self.pos)  # rows before the ring wraps
         for name, col in self.columns.items():
-            end = self.pos + n  # batches divide the capacity in this benchmark
-            col[self.pos:end] = batch[name]
+            col[self.pos:self.pos + head] = batch[name][:head]
+            col[:n - head] = batch[name][head:]
         self.pos = (self.pos + n) % self.capacity
         self.size = min(self.size + n, self.capacity)
 

@@ -76,10 +76,22 @@ def test_oversized_sample_reply_names_the_server_limit(tmp_path):
 
 
 def test_deadline_exceeded_is_typed(shared_server):
-    client = millpond.connect(shared_server.address, timeout=1e-6)
+    buf = millpond.connect(shared_server.address).create_buffer(
+        "client-deadline", capacity=12_800, fields={"x": ("float32", (1024,))}
+    )
+    for _ in range(4):
+        buf.push_batch(x=np.ones((3_200, 1024), np.float32))
+    hurried = millpond.connect(shared_server.address, timeout=0.002).buffer("client-deadline")
+    # 50 MB cannot be gathered, sent and received in 2 ms.
     with pytest.raises(millpond.DeadlineExceededError) as info:
-        client.list_buffers()
+        hurried.sample(12_800)
     assert isinstance(info.value, TimeoutError)
+    buf.close()
+
+
+def test_timeout_must_be_positive():
+    with pytest.raises(millpond.InvalidConfigError):
+        millpond.connect("localhost:1", timeout=0)
 
 
 def test_dead_server_is_detected_in_seconds(tmp_path):

@@ -19,7 +19,13 @@ from .core.buffer import check_batch_size, check_seed
 from .core.schema import Schema
 from .errors import BufferClosedError, BufferNotFoundError, MessageTooLargeError
 from .v1 import replay_pb2 as pb
-from .wire.codec import decode_batch, encode_batch
+from .wire.codec import encode_batch
+from .wire.frames import (
+    PUSH_BATCH_FIELD,
+    SAMPLE_BATCH_FIELD,
+    decode_batch_field,
+    encode_with_batch,
+)
 from .wire.status import error_from_rpc
 
 if TYPE_CHECKING:
@@ -112,10 +118,8 @@ class RemoteBuffer:
         self._check_open()
         n, batch = self.schema.coerce_batch(columns)
         self._check_message_size(n, "push_batch of")
-        self._client.stub.PushBatch(
-            pb.PushBatchRequest(name=self.name, batch=encode_batch(batch)),
-            timeout=self._client.timeout,
-        )
+        request = encode_with_batch(PUSH_BATCH_FIELD, batch, self.name)
+        self._client.connection.push_batch(request, timeout=self._client.timeout)
         return n
 
     @translate_rpc_errors
@@ -125,10 +129,11 @@ class RemoteBuffer:
         request = pb.SampleRequest(name=self.name, batch_size=check_batch_size(batch_size))
         if check_seed(seed) is not None:
             request.seed = int(seed)
-        reply = self._client.stub.Sample(request, timeout=self._client.timeout)
-        # Arrays decoded from the reply view immutable bytes; copy once so the
+        reply = self._client.connection.sample(request, timeout=self._client.timeout)
+        # The decoded arrays view the immutable reply bytes; copy once so the
         # caller may modify them in place, as with in-process results.
-        return {name: np.array(column) for name, column in decode_batch(reply.batch).items()}
+        columns = decode_batch_field(reply, SAMPLE_BATCH_FIELD)
+        return {name: np.array(column) for name, column in columns.items()}
 
     @translate_rpc_errors
     def close(self) -> None:

@@ -9,10 +9,10 @@ logged with its traceback and reported as INTERNAL.
 
 Bulk paths avoid needless copies of multi-megabyte payloads:
 
-* ``PushBatch`` requests arrive as raw bytes and are parsed on the pool;
-* ``Sample`` replies are encoded by hand on the pool: the gathered arrays are
-  joined once into the reply's wire bytes (the same bytes protobuf would
-  produce for ``SampleReply``), which the server sends as they are.
+* ``PushBatch`` requests arrive as raw bytes and are parsed on the pool by
+  :mod:`millpond.wire.frames` into views of those bytes (no copy);
+* ``Sample`` replies are encoded on the pool by the same module: the gathered
+  arrays are joined once into the reply's wire bytes, sent as they are.
 """
 
 from __future__ import annotations
@@ -21,15 +21,22 @@ import asyncio
 import functools
 import logging
 from concurrent.futures import Executor
-from typing import Any, Callable
+from typing import Callable
 
 import grpc
-import numpy as np
 
 from millpond.core import Schema, TieredBuffer
 from millpond.errors import InternalError, MessageTooLargeError, ReplayError
 from millpond.v1 import replay_pb2 as pb
 from millpond.wire.codec import decode_batch, decode_config, encode_config
+from millpond.wire.frames import (
+    PUSH_BATCH_FIELD,
+    SAMPLE_BATCH_FIELD,
+    decode_batch_field,
+    decode_name,
+    encode_with_batch,
+    encoded_batch_nbytes,
+)
 from millpond.wire.status import ERROR_CODE_KEY, status_for
 
 from .registry import Registry, check_name
@@ -86,59 +93,11 @@ def buffer_info(name: str, buffer: TieredBuffer) -> pb.BufferInfo:
     )
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _len_field(number: int, length: int) -> bytes:
-    """Tag (wire type 2) and length prefix of a length-delimited field."""
-    return _varint(number << 3 | 2) + _varint(length)
-
-
-def _column_header(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> bytes:
-    """``Column`` fields 1-3 and the tag+length of ``data`` (field 4)."""
-    name_b, dtype_b = name.encode(), dtype.encode()
-    shape_b = b"".join(_varint(d) for d in shape)
-    head = _len_field(1, len(name_b)) + name_b + _len_field(2, len(dtype_b)) + dtype_b
-    if shape_b:
-        head += _len_field(3, len(shape_b)) + shape_b  # packed repeated int64
-    return head + _len_field(4, nbytes)
-
-
 def sample_reply_nbytes(schema: Schema, batch_size: int) -> int:
     """Exact wire size of the SampleReply for ``batch_size`` records."""
-    batch_len = 0
-    for f in schema:
-        nbytes = batch_size * f.nbytes
-        col = len(_column_header(f.name, f.dtype.str, (batch_size, *f.shape), nbytes)) + nbytes
-        batch_len += len(_len_field(1, col)) + col
-    return len(_len_field(1, batch_len)) + batch_len if batch_len else 0
-
-
-def encode_sample_reply(columns: dict[str, np.ndarray]) -> bytes:
-    """Serialized ``SampleReply``; each array's bytes are copied exactly once."""
-    parts: list[Any] = []
-    batch_len = 0
-    for name, arr in columns.items():
-        arr = np.ascontiguousarray(arr)
-        if arr.dtype.byteorder == ">":
-            arr = arr.astype(arr.dtype.newbyteorder("<"))
-        head = _column_header(name, arr.dtype.str, arr.shape, arr.nbytes)
-        col = len(head) + arr.nbytes
-        prefix = _len_field(1, col)
-        parts += [prefix, head, memoryview(arr).cast("B")]
-        batch_len += len(prefix) + col
-    if not batch_len:
-        return b""
-    return b"".join([_len_field(1, batch_len), *parts])
+    return encoded_batch_nbytes(
+        {f.name: (f.dtype.str, (batch_size, *f.shape), batch_size * f.nbytes) for f in schema}
+    )
 
 
 def _passthrough_or_serialize(message) -> bytes:
@@ -185,9 +144,9 @@ class ReplayService:
         return await self._run(self._push_batch, request)
 
     def _push_batch(self, raw: bytes) -> pb.PushReply:
-        request = pb.PushBatchRequest.FromString(raw)
-        buffer = self.registry.get(request.name)
-        buffer.push_batch(decode_batch(request.batch))
+        # Columns are views of the request bytes: the push is their only copy.
+        buffer = self.registry.get(decode_name(raw))
+        buffer.push_batch(decode_batch_field(raw, PUSH_BATCH_FIELD))
         return pb.PushReply(size=len(buffer), pushed=buffer.pushed)
 
     async def Sample(self, request: pb.SampleRequest, context) -> bytes:
@@ -205,7 +164,7 @@ class ReplayService:
                     f"{self.max_message_mb} ({self.max_message_bytes:,} bytes); "
                     "sample fewer records per call"
                 )
-        return encode_sample_reply(buffer.sample(batch_size, seed))
+        return encode_with_batch(SAMPLE_BATCH_FIELD, buffer.sample(batch_size, seed))
 
     async def Close(self, request: pb.CloseRequest, context) -> pb.CloseReply:
         await self._run(self.registry.close, request.name)

@@ -13,7 +13,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ..core.schema import Field, Schema
+from ..core.schema import Schema
 from ..errors import DTypeMismatchError, InvalidConfigError, ShapeMismatchError
 from ..v1 import replay_pb2 as pb
 
@@ -44,21 +44,25 @@ def decode_batch(batch: pb.Batch) -> dict[str, np.ndarray]:
 
 
 def decode_column(column: pb.Column) -> np.ndarray:
-    try:
-        dtype = np.dtype(column.dtype)
-    except TypeError as exc:
-        raise DTypeMismatchError(f"column {column.name!r}: unknown dtype {column.dtype!r}") from exc
-    if dtype.kind not in _WIRE_KINDS or dtype.fields is not None or dtype.subdtype is not None:
-        raise DTypeMismatchError(f"column {column.name!r}: dtype {dtype} is not allowed on the wire")
-    shape = tuple(column.shape)
-    if any(d < 0 for d in shape):
-        raise ShapeMismatchError(f"column {column.name!r}: negative dimension in {shape}")
     data = column.data  # protobuf copies bytes on every attribute access: read once
-    if math.prod(shape) * dtype.itemsize != len(data):
-        raise ShapeMismatchError(
-            f"column {column.name!r}: {len(data)} bytes do not hold {dtype}{list(shape)}"
-        )
+    dtype, shape = check_column(column.name, column.dtype, tuple(column.shape), len(data))
     return np.frombuffer(data, dtype).reshape(shape)
+
+
+def check_column(name: str, dtype: str, shape: tuple[int, ...], nbytes: int
+                 ) -> tuple[np.dtype, tuple[int, ...]]:
+    """Check a received column's header against its byte count; return (dtype, shape)."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise DTypeMismatchError(f"column {name!r}: unknown dtype {dtype!r}") from exc
+    if dt.kind not in _WIRE_KINDS or dt.fields is not None or dt.subdtype is not None:
+        raise DTypeMismatchError(f"column {name!r}: dtype {dt} is not allowed on the wire")
+    if any(d < 0 for d in shape):
+        raise ShapeMismatchError(f"column {name!r}: negative dimension in {shape}")
+    if math.prod(shape) * dt.itemsize != nbytes:
+        raise ShapeMismatchError(f"column {name!r}: {nbytes} bytes do not hold {dt}{list(shape)}")
+    return dt, shape
 
 
 def encode_config(schema: Schema, hot_capacity: int, total_capacity: int) -> pb.BufferConfig:
@@ -79,18 +83,3 @@ def decode_config(config: pb.BufferConfig) -> tuple[Schema, int, int]:
     return Schema.from_spec(spec), config.hot_capacity, config.total_capacity
 
 
-def batch_nbytes(schema: Schema, n: int) -> int:
-    """Payload bytes of n records (for message-size checks before sending)."""
-    return n * schema.record_nbytes
-
-
-__all__ = [
-    "Field",
-    "batch_nbytes",
-    "decode_batch",
-    "decode_column",
-    "decode_config",
-    "encode_batch",
-    "encode_column",
-    "encode_config",
-]

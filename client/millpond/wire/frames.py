@@ -1,0 +1,199 @@
+"""Hand-written protobuf wire format for the bulk messages.
+
+``PushBatchRequest`` and ``SampleReply`` carry megabytes of column data. The
+protobuf runtime copies a ``bytes`` field when a message is built, again when
+it is serialized or parsed, and again on every attribute access. Here the
+column bytes are copied exactly once on the way out (``b"".join`` of the
+framing and the arrays' memory) and not at all on the way in (arrays are
+``np.frombuffer`` views of the received bytes).
+
+The bytes produced are exactly what protobuf produces for the same message
+(tests check this), so either side may use the generated classes instead.
+The parser accepts any valid encoding of these messages (unknown fields are
+skipped) and checks every length against the buffer, so a hostile message
+raises a typed error instead of reading out of bounds.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from ..errors import InvalidArgumentError, ShapeMismatchError
+from .codec import check_column
+
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+
+# Field numbers of the Batch inside the bulk messages (see replay.proto).
+PUSH_BATCH_FIELD = 2   # PushBatchRequest.batch
+SAMPLE_BATCH_FIELD = 1  # SampleReply.batch
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if not value:
+            out.append(byte)
+            return bytes(out)
+        out.append(byte | 0x80)
+
+
+def _len_prefix(field: int, length: int) -> bytes:
+    """Tag (wire type LEN) and length of a length-delimited field."""
+    return _varint(field << 3 | _LEN) + _varint(length)
+
+
+def _column_head(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """``Column`` fields name (1), dtype (2), packed shape (3) and data's prefix (4)."""
+    name_b, dtype_b = name.encode(), dtype.encode()
+    shape_b = b"".join(_varint(d) for d in shape)
+    head = _len_prefix(1, len(name_b)) + name_b + _len_prefix(2, len(dtype_b)) + dtype_b
+    if shape_b:
+        head += _len_prefix(3, len(shape_b)) + shape_b
+    return head + (_len_prefix(4, nbytes) if nbytes else b"")
+
+
+def _batch_parts(columns: Mapping[str, np.ndarray]) -> tuple[list, int]:
+    """Framing + array memory of a ``Batch``, and its encoded length."""
+    parts: list = []
+    length = 0
+    for name, arr in columns.items():
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        head = _column_head(name, arr.dtype.str, arr.shape, arr.nbytes)
+        column_len = len(head) + arr.nbytes
+        prefix = _len_prefix(1, column_len)
+        parts += [prefix, head]
+        if arr.nbytes:
+            parts.append(memoryview(arr).cast("B"))
+        length += len(prefix) + column_len
+    return parts, length
+
+
+def encode_with_batch(batch_field: int, columns: Mapping[str, np.ndarray],
+                      name: str | None = None) -> bytes:
+    """A message whose field 1 is ``name`` (if given) and ``batch_field`` a Batch.
+
+    ``encode_with_batch(2, cols, name)`` is a ``PushBatchRequest``;
+    ``encode_with_batch(1, cols)`` is a ``SampleReply``.
+    """
+    parts, length = _batch_parts(columns)
+    head = b""
+    if name:
+        name_b = name.encode()
+        head = _len_prefix(1, len(name_b)) + name_b
+    head += _len_prefix(batch_field, length)  # present even when empty, as protobuf does
+    return b"".join([head, *parts])
+
+
+def encoded_batch_nbytes(columns: Mapping[str, tuple[str, tuple[int, ...], int]]) -> int:
+    """Exact size of a Batch field 1 of ``{name: (dtype, shape, nbytes)}`` (a SampleReply)."""
+    length = 0
+    for name, (dtype, shape, nbytes) in columns.items():
+        column_len = len(_column_head(name, dtype, shape, nbytes)) + nbytes
+        length += len(_len_prefix(1, column_len)) + column_len
+    return len(_len_prefix(1, length)) + length
+
+
+# ---- parsing ------------------------------------------------------------------------
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ShapeMismatchError("malformed message: truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def iter_fields(buf: memoryview) -> Iterator[tuple[int, int, object]]:
+    """Yield (field number, wire type, value); LEN values are memoryview slices."""
+    pos = 0
+    while pos < len(buf):
+        key, pos = _read_varint(buf, pos)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == _VARINT:
+            value, pos = _read_varint(buf, pos)
+        elif wire_type == _LEN:
+            length, pos = _read_varint(buf, pos)
+            if pos + length > len(buf):
+                raise ShapeMismatchError("malformed message: field runs past the end")
+            value, pos = buf[pos : pos + length], pos + length
+        elif wire_type in (_I64, _I32):
+            width = 8 if wire_type == _I64 else 4
+            if pos + width > len(buf):
+                raise ShapeMismatchError("malformed message: field runs past the end")
+            value, pos = buf[pos : pos + width], pos + width
+        else:
+            raise ShapeMismatchError(f"malformed message: wire type {wire_type}")
+        yield field, wire_type, value
+
+
+def _text(value: memoryview) -> str:
+    try:
+        return bytes(value).decode()
+    except UnicodeDecodeError as exc:
+        raise InvalidArgumentError("malformed message: a string field is not UTF-8") from exc
+
+
+def _decode_shape(field_values: list) -> tuple[int, ...]:
+    dims: list[int] = []
+    for wire_type, value in field_values:
+        if wire_type == _VARINT:  # unpacked encoding
+            dims.append(value)
+        else:
+            pos = 0
+            while pos < len(value):
+                dim, pos = _read_varint(value, pos)
+                dims.append(dim)
+    # int64 on the wire: a negative dimension arrives as a huge unsigned value
+    return tuple(d - (1 << 64) if d >= 1 << 63 else d for d in dims)
+
+
+def _decode_column(buf: memoryview) -> tuple[str, np.ndarray]:
+    name, dtype, data = "", "", memoryview(b"")
+    shape_values = []
+    for field, wire_type, value in iter_fields(buf):
+        if field == 1 and wire_type == _LEN:
+            name = _text(value)
+        elif field == 2 and wire_type == _LEN:
+            dtype = _text(value)
+        elif field == 3:
+            shape_values.append((wire_type, value))
+        elif field == 4 and wire_type == _LEN:
+            data = value
+    arr_dtype, shape = check_column(name, dtype, _decode_shape(shape_values), len(data))
+    return name, np.frombuffer(data, arr_dtype).reshape(shape)
+
+
+def decode_batch_field(message: bytes | memoryview, batch_field: int) -> dict[str, np.ndarray]:
+    """The columns of the Batch at ``batch_field`` of ``message``, as views of it."""
+    columns: dict[str, np.ndarray] = {}
+    for field, wire_type, value in iter_fields(memoryview(message)):
+        if field != batch_field or wire_type != _LEN:
+            continue
+        for cfield, ctype, cvalue in iter_fields(value):
+            if cfield == 1 and ctype == _LEN:
+                name, arr = _decode_column(cvalue)
+                if name in columns:
+                    raise ShapeMismatchError(f"column {name!r} appears twice")
+                columns[name] = arr
+    return columns
+
+
+def decode_name(message: bytes | memoryview) -> str:
+    """Field 1 (the buffer name) of a request; the last one wins, as in protobuf."""
+    name = ""
+    for field, wire_type, value in iter_fields(memoryview(message)):
+        if field == 1 and wire_type == _LEN:
+            name = _text(value)
+    return name
