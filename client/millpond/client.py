@@ -26,6 +26,7 @@ from .api import Buffer
 from .core.buffer import check_capacities
 from .core.schema import Schema
 from .errors import InvalidConfigError
+from .malloc import tune_malloc_for_large_messages
 from .remote import RemoteBuffer, info_to_dict, translate_rpc_errors
 from .v1 import replay_pb2 as pb
 from .v1 import replay_pb2_grpc as pb_grpc
@@ -166,6 +167,7 @@ class Connection:
     """
 
     def __init__(self, address: str, options: list[tuple[str, Any]]):
+        tune_malloc_for_large_messages()
         self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.ReplayStub(self.channel)
         self.push_batch = self.channel.unary_unary(

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import platform
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -13,48 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from millpond.malloc import tune_malloc_for_large_messages
+
 from .config import ServeConfig
 from .registry import Registry
 from .service import SERVICE_NAME, ReplayService, add_to_server
 
 log = logging.getLogger("millpond.server")
-
-# glibc hands big freed blocks back to the OS after every RPC (mmap/munmap or
-# heap trimming), so each multi-megabyte message pays for fresh page faults.
-# Raising both thresholds keeps those pages in the process. mmap_threshold is
-# capped by glibc at 32 MiB on 64-bit (HOST_MALLOC_MMAP_THRESHOLD_MAX); larger
-# values are ignored.
-GLIBC_TUNABLES = (
-    "glibc.malloc.mmap_threshold=33554432:"
-    "glibc.malloc.trim_threshold=1073741824"
-)
-_REEXEC_GUARD = "MILLPOND_REEXECED"
-
-
-def maybe_reexec_with_tunables() -> None:
-    """Re-exec this very command once with GLIBC_TUNABLES set (glibc only).
-
-    Tunables are read at process start, so they cannot be set from inside.
-    Skipped when GLIBC_TUNABLES is already set, when MILLPOND_NO_REEXEC=1, or
-    when this process already is the re-exec (guard variable).
-    """
-    env = os.environ
-    if (
-        "GLIBC_TUNABLES" in env
-        or env.get("MILLPOND_NO_REEXEC", "") not in ("", "0")
-        or env.get(_REEXEC_GUARD)
-        or platform.libc_ver()[0] != "glibc"
-    ):
-        return
-    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
-    env = {**env, "GLIBC_TUNABLES": GLIBC_TUNABLES, _REEXEC_GUARD: "1"}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execve(sys.executable, argv, env)
-    except OSError as exc:  # keep serving without the tunables
-        log.warning("re-exec with GLIBC_TUNABLES failed", extra={"kv": {"error": exc}})
-
 
 def grpc_options(cfg: ServeConfig) -> list[tuple[str, int]]:
     return [
@@ -81,6 +44,7 @@ def _bind_address(host: str, port: int) -> str:
 
 async def serve(cfg: ServeConfig) -> int:
     """Run until SIGTERM/SIGINT; return the exit code."""
+    malloc_tuned = tune_malloc_for_large_messages()
     registry = Registry(cfg.data_dir)
     try:
         for spec in cfg.buffers:
@@ -124,7 +88,7 @@ async def serve(cfg: ServeConfig) -> int:
         log.info("serving", extra={"kv": {
             "address": address, "data_dir": cfg.data_dir, "buffers": len(registry),
             "max_message_mb": cfg.max_message_mb, "workers": cfg.workers,
-            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+            "malloc_tuned": malloc_tuned,
         }})
         print(f"serving on {address}", flush=True)
 

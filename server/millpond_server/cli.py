@@ -61,14 +61,13 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from millpond.errors import InvalidConfigError, ReplayError
 
-    from .app import maybe_reexec_with_tunables, run
+    from .app import run
 
     try:
         cfg = resolve_serve_config(args)
     except ConfigError as exc:
         print(f"millpond serve: {exc}", file=sys.stderr)
         return 2
-    maybe_reexec_with_tunables()
     setup_logging(cfg.log_level)
     try:
         return run(cfg)
