@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from millpond.core import Schema, TieredBuffer  # noqa: E402
 from support import ServerProcess  # noqa: E402
 
 SAMPLE_BATCH = 256
+CALLERS = 4  # concurrent callers (threads) for the "remote xN" rows
 
 
 @dataclass
@@ -93,32 +95,38 @@ class NumpyRing:
         return {name: np.take(col, idx, axis=0, mode="clip") for name, col in self.columns.items()}
 
 
-def timed_rate(fn, items_per_call: int, seconds: float, repeats: int = 3) -> float:
-    """Median items/s over ``repeats`` runs of about ``seconds`` each."""
+def timed_rate(fn, items_per_call: int, seconds: float, threads: int = 1, repeats: int = 3) -> float:
+    """Median items/s over ``repeats`` runs of about ``seconds``, ``threads`` callers each."""
     rates = []
     fn()  # warm up
     for _ in range(repeats):
-        calls, start = 0, time.perf_counter()
-        while True:
-            fn()
-            calls += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= seconds:
-                break
-        rates.append(calls * items_per_call / elapsed)
+        counts = [0] * threads
+        start = time.perf_counter()
+        deadline = start + seconds
+
+        def caller(i: int) -> None:
+            while time.perf_counter() < deadline:
+                fn()
+                counts[i] += 1
+
+        workers = [threading.Thread(target=caller, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        rates.append(sum(counts) * items_per_call / (time.perf_counter() - start))
     return statistics.median(rates)
 
 
-def measure(w: Workload, push, sample, seconds: float) -> tuple[float, float]:
+def measure(w: Workload, push, sample, seconds: float, threads: int = 1) -> tuple[float, float]:
     rng = np.random.default_rng(0)
     batch = w.batch(w.push_batch, rng)
     filled = 0
     while filled < w.total:  # fill, so sampling reaches both tiers
         push(batch)
         filled += w.push_batch
-    push_rate = timed_rate(lambda: push(batch), w.push_batch, seconds)
-    seeds = iter(range(10**9))
-    sample_rate = timed_rate(lambda: sample(SAMPLE_BATCH, next(seeds)), SAMPLE_BATCH, seconds)
+    push_rate = timed_rate(lambda: push(batch), w.push_batch, seconds, threads)
+    sample_rate = timed_rate(lambda: sample(SAMPLE_BATCH), SAMPLE_BATCH, seconds, threads)
     return push_rate, sample_rate
 
 
@@ -171,12 +179,15 @@ def main() -> None:
             local = TieredBuffer(w.schema, w.hot, w.total, tmp / f"{w.name}.cold")
             remote = client.create_buffer(f"bench-{w.name}", hot_capacity=w.hot,
                                           total_capacity=w.total, fields=w.schema)
-            paths = {
-                "numpy": (ring.push_batch, ring.sample),
-                "in-process": (local.push_batch, local.sample),
-                "remote": (lambda b, r=remote: r.push_batch(**b), remote.sample),
+            remote_push = lambda b, r=remote: r.push_batch(**b)  # noqa: E731
+            paths = {  # path: (push, sample, concurrent callers)
+                "numpy": (ring.push_batch, ring.sample, 1),
+                "in-process": (local.push_batch, local.sample, 1),
+                "remote": (remote_push, remote.sample, 1),
+                f"remote x{CALLERS}": (remote_push, remote.sample, CALLERS),
             }
-            rates = {path: measure(w, push, sample, seconds) for path, (push, sample) in paths.items()}
+            rates = {path: measure(w, push, sample, seconds, threads)
+                     for path, (push, sample, threads) in paths.items()}
             for i, op in enumerate((f"push_batch({w.push_batch})", f"sample({SAMPLE_BATCH})")):
                 for path, pair in rates.items():
                     ratio = pair[i] / rates["numpy"][i]

@@ -70,6 +70,7 @@ class TieredBuffer:
         self._lock = threading.Lock()
         self._pushed = 0
         self._closed = False
+        self._rng = np.random.default_rng()
         self._cold_file: ColdFile | None = None
         if total > hot:
             path = os.fspath(cold_path) if cold_path is not None else _temp_cold_path()
@@ -189,12 +190,15 @@ class TieredBuffer:
         arrays (``{field: array[batch_size, *shape]}``), e.g. shared memory.
         """
         batch_size = check_batch_size(batch_size)
-        rng = np.random.default_rng(check_seed(seed))
+        seed = check_seed(seed)
         with self._lock:
             self._check_open()
             size = self._size()
             if batch_size > size:
                 raise NotEnoughDataError(f"batch_size {batch_size} > buffer len {size}")
+            # Unseeded draws share one generator (guarded by the lock): making
+            # a fresh one costs more than sampling 256 small records.
+            rng = self._rng if seed is None else np.random.default_rng(seed)
             seqs = rng.integers(self._pushed - size, self._pushed, size=batch_size)
             hot_lo = self._pushed - self.hot_len
             is_hot = seqs >= hot_lo

@@ -59,7 +59,7 @@ class Tier:
         for name, column in self.columns.items():
             # mode="clip" skips numpy's per-index bounds check (2x faster);
             # slots are in range by construction.
-            np.take(column, slots, axis=0, out=out[name][row:stop], mode="clip")
+            column.take(slots, axis=0, out=out[name][row:stop], mode="clip")
 
     def release(self) -> None:
         """Drop every reference to the tier's memory (needed before unmapping)."""
