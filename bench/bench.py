@@ -161,6 +161,17 @@ def memory_figure(server: ServerProcess, records: int) -> None:
     buf.close()
 
 
+def call_floor(address: str, seconds: float) -> float:
+    """Round trips/s of the cheapest call the daemon serves (a gRPC health check)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest()
+        return timed_rate(lambda: stub.Check(request), 1, seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, short timings")
@@ -195,6 +206,10 @@ def main() -> None:
                           f" {ratio:>8.2f}x")
             local.close()
             remote.close()
+        floor = call_floor(server.address, seconds)
+        print(f"\ngRPC floor: an empty call (health check) takes {1e6 / floor:,.0f} us round trip "
+              f"here, so one caller can make at most {floor:,.0f} calls/s "
+              f"= {floor * SAMPLE_BATCH:,.0f} records/s at sample({SAMPLE_BATCH}).")
         memory_figure(server, 100_000 if args.quick else 1_000_000)
 
 

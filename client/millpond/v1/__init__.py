@@ -1,0 +1,1 @@
+"""Generated from proto/millpond/v1/replay.proto by `make proto`; do not edit."""
