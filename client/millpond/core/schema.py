@@ -25,13 +25,21 @@ from ..errors import (
 _STORABLE_KINDS = "biuf"
 
 
-def _storage_dtype(dtype: Any) -> np.dtype:
+def plain_dtype(dtype: Any) -> np.dtype | None:
+    """``np.dtype(dtype)`` if it is a fixed-size bool/int/uint/float, else None."""
     try:
         dt = np.dtype(dtype)
-    except TypeError as exc:
-        raise InvalidConfigError(f"not a numpy dtype: {dtype!r}") from exc
+    except TypeError:
+        return None
     if dt.kind not in _STORABLE_KINDS or dt.fields is not None or dt.subdtype is not None:
-        raise InvalidConfigError(f"dtype {dt} is not a fixed-size bool/int/uint/float type")
+        return None
+    return dt
+
+
+def _storage_dtype(dtype: Any) -> np.dtype:
+    dt = plain_dtype(dtype)
+    if dt is None:
+        raise InvalidConfigError(f"dtype {dtype!r} is not a fixed-size bool/int/uint/float type")
     return dt.newbyteorder("<") if dt.itemsize > 1 else dt
 
 

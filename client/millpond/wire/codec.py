@@ -13,11 +13,10 @@ from typing import Mapping
 
 import numpy as np
 
-from ..core.schema import Schema
+from ..core.schema import Schema, plain_dtype
 from ..errors import DTypeMismatchError, InvalidConfigError, ShapeMismatchError
 from ..v1 import replay_pb2 as pb
 
-_WIRE_KINDS = "biuf"
 
 
 def encode_batch(columns: Mapping[str, np.ndarray]) -> pb.Batch:
@@ -52,12 +51,9 @@ def decode_column(column: pb.Column) -> np.ndarray:
 def check_column(name: str, dtype: str, shape: tuple[int, ...], nbytes: int
                  ) -> tuple[np.dtype, tuple[int, ...]]:
     """Check a received column's header against its byte count; return (dtype, shape)."""
-    try:
-        dt = np.dtype(dtype)
-    except TypeError as exc:
-        raise DTypeMismatchError(f"column {name!r}: unknown dtype {dtype!r}") from exc
-    if dt.kind not in _WIRE_KINDS or dt.fields is not None or dt.subdtype is not None:
-        raise DTypeMismatchError(f"column {name!r}: dtype {dt} is not allowed on the wire")
+    dt = plain_dtype(dtype)
+    if dt is None:
+        raise DTypeMismatchError(f"column {name!r}: dtype {dtype!r} is not allowed on the wire")
     if any(d < 0 for d in shape):
         raise ShapeMismatchError(f"column {name!r}: negative dimension in {shape}")
     if math.prod(shape) * dt.itemsize != nbytes:
