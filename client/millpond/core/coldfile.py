@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import CorruptFileError, InvalidConfigError, StorageFullError
 from .schema import Schema
-from .tier import EMPTY_SEQ, SEQ_DTYPE, Tier
+from .tier import SEQ_DTYPE, Tier
 
 MAGIC = b"MILLPOND"
 FORMAT_VERSION = 1
@@ -104,9 +104,7 @@ class ColdFile:
         blob = json.dumps(meta).encode()
         _PREFIX.pack_into(mm, 0, MAGIC, FORMAT_VERSION, header, 0, len(blob))
         mm[_JSON_OFFSET : _JSON_OFFSET + len(blob)] = blob
-        tier = _map_tier(mm, schema, cold_capacity, regions)
-        tier.seq[:] = EMPTY_SEQ
-        return cls(path, fd, mm, meta, tier)
+        return cls(path, fd, mm, meta, _map_tier(mm, schema, cold_capacity, regions))
 
     @staticmethod
     def read_meta(mm: mmap.mmap, path: str) -> tuple[dict, int]:

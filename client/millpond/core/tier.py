@@ -15,12 +15,20 @@ import numpy as np
 from .ring import ring_chunks
 from .schema import Schema
 
-SEQ_DTYPE = np.dtype("<i8")
-EMPTY_SEQ = -1
+# The seq column stores seq mod 2**32: half the bytes of a full counter (it
+# is ~20% of a CartPole record), and a slot check "does slot hold record s?"
+# can only be fooled by a record 2**32 pushes newer landing in the same slot.
+SEQ_DTYPE = np.dtype("<u4")
 
 
 class Tier:
-    """Columns ``[capacity, *shape]`` per field plus a ``seq`` column."""
+    """Columns ``[capacity, *shape]`` per field plus a ``seq`` column.
+
+    ``seq[slot]`` is the record the slot holds (mod 2**32). Slots never written read 0
+    (memory and fresh files start zeroed, and touching them up front would
+    make every page resident), so which slots are live always comes from
+    the buffer's counters first; the seq column confirms it.
+    """
 
     def __init__(self, capacity: int, columns: dict[str, np.ndarray], seq: np.ndarray):
         self.capacity = capacity
@@ -29,10 +37,9 @@ class Tier:
 
     @classmethod
     def in_memory(cls, schema: Schema, capacity: int) -> "Tier":
-        """A RAM tier. ``np.empty`` leaves pages untouched until written."""
+        """A RAM tier; pages become resident only when first written."""
         columns = {f.name: np.empty((capacity,) + f.shape, f.dtype) for f in schema}
-        seq = np.full(capacity, EMPTY_SEQ, SEQ_DTYPE)
-        return cls(capacity, columns, seq)
+        return cls(capacity, columns, np.zeros(capacity, SEQ_DTYPE))
 
     def write(self, start: int, stop: int, batch: Mapping[str, np.ndarray], first_seq: int) -> None:
         """Store records ``start..stop-1`` taken from ``batch`` (row 0 is ``first_seq``)."""
@@ -40,7 +47,7 @@ class Tier:
             slot, row = lo % self.capacity, lo - first_seq
             for name, column in self.columns.items():
                 column[slot : slot + hi - lo] = batch[name][row : row + hi - lo]
-            self.seq[slot : slot + hi - lo] = np.arange(lo, hi, dtype=SEQ_DTYPE)
+            self.seq[slot : slot + hi - lo] = np.arange(lo, hi, dtype=np.uint64).astype(SEQ_DTYPE)
 
     def copy_to(self, other: "Tier", start: int, stop: int) -> None:
         """Copy records ``start..stop-1`` (all held here) into ``other``."""
