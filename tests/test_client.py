@@ -55,7 +55,7 @@ def test_constructor_with_address_is_the_one_line_switch(shared_server):
 
 
 def test_oversized_push_is_refused_before_sending(shared_server):
-    client = millpond.connect(shared_server.address, max_message_mb=1)
+    client = millpond.connect(shared_server.address, max_message_mb=1, shm=False)
     buf = client.create_buffer("client-big-push", capacity=200_000, fields={"x": ("float32", (64,))})
     with pytest.raises(millpond.MessageTooLargeError, match="max_message_mb"):
         buf.push_batch(x=np.zeros((10_000, 64), np.float32))  # 2.5 MB > 1 MB
@@ -65,7 +65,7 @@ def test_oversized_push_is_refused_before_sending(shared_server):
 
 def test_oversized_sample_reply_names_the_server_limit(tmp_path):
     with ServerProcess(tmp_path / "data", "--max-message-mb", "1") as server:
-        buf = millpond.connect(server.address).create_buffer(
+        buf = millpond.connect(server.address, shm=False).create_buffer(
             "big", capacity=1000, fields={"x": ("float32", (1024,))}
         )
         for _ in range(2):  # 2 x 0.6 MB pushes, each under the limit
@@ -75,17 +75,21 @@ def test_oversized_sample_reply_names_the_server_limit(tmp_path):
         assert buf.sample(10)["x"].shape == (10, 1024)
 
 
-def test_deadline_exceeded_is_typed(shared_server):
-    buf = millpond.connect(shared_server.address).create_buffer(
-        "client-deadline", capacity=12_800, fields={"x": ("float32", (1024,))}
-    )
+@pytest.mark.parametrize("shm", [False, True], ids=["grpc", "shm"])
+def test_deadline_exceeded_is_typed_and_the_client_recovers(shared_server, shm):
+    client = millpond.connect(shared_server.address, shm=shm)
+    buf = client.create_buffer(f"client-deadline-{shm}", capacity=12_800,
+                               fields={"x": ("float32", (1024,))})
     for _ in range(4):
         buf.push_batch(x=np.ones((3_200, 1024), np.float32))
-    hurried = millpond.connect(shared_server.address, timeout=0.002).buffer("client-deadline")
-    # 50 MB cannot be gathered, sent and received in 2 ms.
+    client.timeout = 0.002
+    # 50 MB cannot be gathered and handed over in 2 ms.
     with pytest.raises(millpond.DeadlineExceededError) as info:
-        hurried.sample(12_800)
+        buf.sample(12_800)
     assert isinstance(info.value, TimeoutError)
+    client.timeout = 60
+    assert buf.sample(10)["x"].shape == (10, 1024)
+    assert client.transport == ("shm" if shm else "grpc")
     buf.close()
 
 

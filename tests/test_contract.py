@@ -17,9 +17,13 @@ import millpond
 _names = itertools.count()
 
 
-@pytest.fixture(params=["local", "remote"])
+@pytest.fixture(params=["local", "grpc", "shm"])
 def make(request, tmp_path):
-    """make(hot, total, obs_dim=, act_dim= | fields=) -> a buffer on the backend under test."""
+    """make(hot, total, obs_dim=, act_dim= | fields=) -> a buffer on the backend under test.
+
+    "grpc" and "shm" are remote buffers on a real daemon, with bulk data over
+    gRPC and over the shared-memory fast path respectively.
+    """
     made = []
 
     def factory(hot, total, obs_dim=None, act_dim=None, fields=None):
@@ -29,9 +33,11 @@ def make(request, tmp_path):
             )
         else:
             server = request.getfixturevalue("shared_server")
-            buf = millpond.MmapReplayBuffer(
-                hot, total, obs_dim, act_dim, fields=fields,
-                address=server.address, name=f"contract-{next(_names)}",
+            client = millpond.connect(server.address, shm=request.param == "shm")
+            assert client.transport == request.param
+            buf = client.create_buffer(
+                f"contract-{next(_names)}", hot_capacity=hot, total_capacity=total,
+                obs_dim=obs_dim, act_dim=act_dim, fields=fields,
             )
         made.append(buf)
         return buf

@@ -25,8 +25,11 @@ import grpc
 from .api import Buffer
 from .core.buffer import check_capacities
 from .core.schema import Schema
-from .errors import InvalidConfigError
+from .errors import InvalidConfigError, SharedMemoryError
 from .malloc import tune_malloc_for_large_messages
+from .shm.protocol import read_boot_id
+from .shm.session import ShmSession
+from .wire.status import error_from_rpc
 from .remote import RemoteBuffer, info_to_dict, translate_rpc_errors
 from .v1 import replay_pb2 as pb
 from .v1 import replay_pb2_grpc as pb_grpc
@@ -43,18 +46,28 @@ def connect(
     *,
     timeout: float = DEFAULT_TIMEOUT,
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
+    shm: bool | str = "auto",
 ) -> "Client":
-    """A client for the server at ``address`` ("host:port"). Connects lazily."""
-    return Client(address, timeout=timeout, max_message_mb=max_message_mb)
+    """A client for the server at ``address`` ("host:port"). Connects lazily.
+
+    ``shm``: "auto" (default) moves bulk data through shared memory when the
+    server is on this host and admits this user, else silently over gRPC;
+    True requires the fast path (raises if it cannot be had); False never
+    uses it. ``client.transport`` says which one is in use.
+    """
+    return Client(address, timeout=timeout, max_message_mb=max_message_mb, shm=shm)
 
 
 class Client:
     """A connection to one millpond server."""
 
     def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT,
-                 max_message_mb: int = DEFAULT_MAX_MESSAGE_MB):
+                 max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, shm: bool | str = "auto"):
         if not isinstance(address, str) or not address:
             raise InvalidConfigError(f"address must be 'host:port', got {address!r}")
+        if shm not in (True, False, "auto"):
+            raise InvalidConfigError(f"shm must be True, False or 'auto', got {shm!r}")
+        self.shm = shm
         if not timeout > 0:
             raise InvalidConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.address = address
@@ -67,7 +80,7 @@ class Client:
     def __reduce__(self):
         return (
             _rebuild_client,
-            (self.address, self.timeout, self.max_message_bytes // (1024 * 1024)),
+            (self.address, self.timeout, self.max_message_bytes // (1024 * 1024), self.shm),
         )
 
     @property
@@ -83,9 +96,15 @@ class Client:
                 if self._pid != os.getpid():
                     # A channel inherited through fork belongs to the parent's
                     # gRPC threads; never touch it here, just open our own.
-                    self._connection = Connection(self.address, self._options())
+                    self._connection = Connection(self.address, self._options(),
+                                                  self.shm, self.timeout)
                     self._pid = os.getpid()
         return self._connection
+
+    @property
+    def transport(self) -> str:
+        """"shm" when bulk data moves through shared memory, else "grpc"."""
+        return self.connection.transport
 
     def _options(self) -> list[tuple[str, Any]]:
         return [
@@ -140,7 +159,7 @@ class Client:
         """Close the channel (buffers stay on the server). Idempotent."""
         with self._lock:
             if self._connection is not None and self._pid == os.getpid():
-                self._connection.channel.close()
+                self._connection.close()
             self._connection = None
             self._pid = -1
 
@@ -159,14 +178,15 @@ class Client:
 
 
 class Connection:
-    """One channel and its call objects.
+    """One process's channel, its call objects and, when negotiated, its fast path.
 
     The bulk calls bypass the generated message classes: PushBatch requests
     and Sample replies travel as bytes framed by :mod:`millpond.wire.frames`,
     which copies column data once instead of three times.
     """
 
-    def __init__(self, address: str, options: list[tuple[str, Any]]):
+    def __init__(self, address: str, options: list[tuple[str, Any]], shm: bool | str,
+                 timeout: float):
         tune_malloc_for_large_messages()
         self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.ReplayStub(self.channel)
@@ -180,6 +200,57 @@ class Connection:
             request_serializer=pb.SampleRequest.SerializeToString,
             response_deserializer=None,  # parsed by frames.decode_batch_field
         )
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self.session: ShmSession | None = None
+        self.shm_reason = "disabled by the client (shm=False)"
+        if shm is not False:
+            self.session, self.shm_reason = self._negotiate(timeout)
+            if shm is True and self.session is None:
+                self.channel.close()
+                raise SharedMemoryError(f"shared memory was required but {self.shm_reason}")
+
+    @property
+    def transport(self) -> str:
+        return "shm" if self.session is not None else "grpc"
+
+    def fast_path(self) -> ShmSession | None:
+        """The usable fast-path session, if any.
+
+        A session broken by a timeout or a lost connection is replaced by a
+        freshly negotiated one (or by gRPC, if that fails) on the next call.
+        """
+        session = self.session
+        if session is None or not session.broken:
+            return session
+        with self._lock:
+            if self.session is session:
+                session.close()
+                self.session, self.shm_reason = self._negotiate(self._timeout)
+        return self.session
+
+    def _negotiate(self, timeout: float) -> tuple[ShmSession | None, str]:
+        """Open the fast path if the server offers it and it is reachable from here."""
+        boot_id = read_boot_id()
+        try:
+            offer = self.stub.Negotiate(pb.NegotiateRequest(boot_id=boot_id), timeout=timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None, "the server has no fast path"
+            raise error_from_rpc(exc) from None
+        if not offer.shm:
+            return None, offer.reason or "the server does not offer it"
+        if not boot_id or offer.boot_id != boot_id:
+            return None, "the server runs on another host"
+        try:
+            return ShmSession(offer.socket, offer.uid, timeout), ""
+        except OSError as exc:  # other network namespace, refused peer, no memfd...
+            return None, f"its socket is not reachable from here ({exc})"
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+        self.channel.close()
 
 
 def _capacities(capacity: Any, hot_capacity: Any, total_capacity: Any) -> tuple[Any, Any]:
@@ -192,5 +263,6 @@ def _capacities(capacity: Any, hot_capacity: Any, total_capacity: Any) -> tuple[
     return hot_capacity, total_capacity
 
 
-def _rebuild_client(address: str, timeout: float, max_message_mb: int) -> Client:
-    return Client(address, timeout=timeout, max_message_mb=max_message_mb)
+def _rebuild_client(address: str, timeout: float, max_message_mb: int,
+                    shm: bool | str = "auto") -> Client:
+    return Client(address, timeout=timeout, max_message_mb=max_message_mb, shm=shm)

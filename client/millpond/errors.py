@@ -89,6 +89,12 @@ class StorageFullError(ReplayError, OSError):
     code = "STORAGE_FULL"
 
 
+class SharedMemoryError(StorageFullError):
+    """A shared-memory segment could not be made or reserved (the client falls back to gRPC)."""
+
+    code = "SHM_UNAVAILABLE"
+
+
 class CorruptFileError(ReplayError, ValueError):
     """A cold file is not a millpond file, or its header is damaged."""
 

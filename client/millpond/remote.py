@@ -10,6 +10,7 @@ with the same exception), and again by the server, which trusts nothing.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 import grpc
@@ -17,7 +18,13 @@ import numpy as np
 
 from .core.buffer import check_batch_size, check_seed
 from .core.schema import Schema
-from .errors import BufferClosedError, BufferNotFoundError, MessageTooLargeError
+from .errors import (
+    BufferClosedError,
+    BufferNotFoundError,
+    MessageTooLargeError,
+    SharedMemoryError,
+)
+from .shm.session import ResultPoolExhausted
 from .v1 import replay_pb2 as pb
 from .wire.codec import encode_batch
 from .wire.frames import (
@@ -32,6 +39,7 @@ if TYPE_CHECKING:
     from .client import Client
 
 T = TypeVar("T")
+log = logging.getLogger("millpond.client")
 
 # Protobuf framing per column (name, dtype, shape, length prefixes) is tiny;
 # this margin keeps size checks honest without computing it exactly.
@@ -117,19 +125,36 @@ class RemoteBuffer:
         """
         self._check_open()
         n, batch = self.schema.coerce_batch(columns)
+        connection = self._client.connection
+        session = connection.fast_path()
+        if session is not None:
+            try:
+                session.push_batch(self.name, self.schema, n, batch, self._client.timeout)
+                return n
+            except SharedMemoryError as exc:
+                log.warning("shared memory refused a push (%s); sending it over gRPC", exc)
         self._check_message_size(n, "push_batch of")
         request = encode_with_batch(PUSH_BATCH_FIELD, batch, self.name)
-        self._client.connection.push_batch(request, timeout=self._client.timeout)
+        connection.push_batch(request, timeout=self._client.timeout)
         return n
 
     @translate_rpc_errors
     def sample(self, batch_size: int, seed: int | None = None) -> dict[str, np.ndarray]:
         """Sample on the server; returns writable arrays like the in-process buffer."""
         self._check_open()
-        request = pb.SampleRequest(name=self.name, batch_size=check_batch_size(batch_size))
-        if check_seed(seed) is not None:
-            request.seed = int(seed)
-        reply = self._client.connection.sample(request, timeout=self._client.timeout)
+        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+        connection = self._client.connection
+        session = connection.fast_path()
+        if session is not None:
+            try:
+                return session.sample(self.name, self.schema, batch_size, seed,
+                                      self._client.timeout)
+            except (SharedMemoryError, ResultPoolExhausted) as exc:
+                log.info("sampling over gRPC this time: %s", exc)
+        request = pb.SampleRequest(name=self.name, batch_size=batch_size)
+        if seed is not None:
+            request.seed = seed
+        reply = connection.sample(request, timeout=self._client.timeout)
         # The decoded arrays view the immutable reply bytes; copy once so the
         # caller may modify them in place, as with in-process results.
         columns = decode_batch_field(reply, SAMPLE_BATCH_FIELD)

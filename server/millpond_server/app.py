@@ -14,10 +14,24 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from millpond.malloc import tune_malloc_for_large_messages
 
 from .config import ServeConfig
+from .fastpath import FastPathServer
 from .registry import Registry
 from .service import SERVICE_NAME, ReplayService, add_to_server
 
 log = logging.getLogger("millpond.server")
+
+def start_fastpath(cfg: ServeConfig, registry: Registry) -> tuple[FastPathServer | None, str]:
+    """Start the shared-memory fast path, or say why it is off."""
+    if not cfg.shm:
+        return None, "disabled by the server (--no-shm)"
+    try:
+        fastpath = FastPathServer(registry, cfg.shm_group, cfg.shm_max_mb * 1024 * 1024)
+    except OSError as exc:  # no abstract Unix sockets or memfd here
+        log.warning("shm fast path unavailable", extra={"kv": {"error": exc}})
+        return None, f"unavailable on the server: {exc}"
+    fastpath.start()
+    return fastpath, ""
+
 
 def grpc_options(cfg: ServeConfig) -> list[tuple[str, int]]:
     return [
@@ -52,9 +66,11 @@ async def serve(cfg: ServeConfig) -> int:
     except BaseException:
         registry.close_all()
         raise
+    fastpath, off_reason = start_fastpath(cfg, registry)
     executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="millpond-engine")
     server = grpc.aio.server(options=grpc_options(cfg))
-    add_to_server(ReplayService(registry, executor, cfg.max_message_mb), server)
+    add_to_server(ReplayService(registry, executor, cfg.max_message_mb, fastpath, off_reason),
+                  server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -88,7 +104,7 @@ async def serve(cfg: ServeConfig) -> int:
         log.info("serving", extra={"kv": {
             "address": address, "data_dir": cfg.data_dir, "buffers": len(registry),
             "max_message_mb": cfg.max_message_mb, "workers": cfg.workers,
-            "malloc_tuned": malloc_tuned,
+            "malloc_tuned": malloc_tuned, "shm": "on" if fastpath else off_reason,
         }})
         print(f"serving on {address}", flush=True)
 
@@ -101,6 +117,8 @@ async def serve(cfg: ServeConfig) -> int:
         # Handlers cancelled by stop() may still run on the pool: let them end
         # before their buffers are closed.
         executor.shutdown(wait=True, cancel_futures=True)
+        if fastpath is not None:
+            fastpath.stop()
         registry.close_all()
         log.info("buffers closed")
 

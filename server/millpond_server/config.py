@@ -91,6 +91,31 @@ def _log_level(text: str) -> str:
     return level
 
 
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"must be true or false, got {text!r}")
+
+
+def _group_ids(text: str) -> frozenset[int]:
+    """Comma-separated group names or numeric gids."""
+    import grp
+
+    gids = set()
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        if item.isdigit():
+            gids.add(int(item))
+            continue
+        try:
+            gids.add(grp.getgrnam(item).gr_gid)
+        except KeyError:
+            raise ValueError(f"no group named {item!r}") from None
+    return frozenset(gids)
+
+
 def _default_workers() -> int:
     return max(4, min(8, os.cpu_count() or 4))
 
@@ -104,6 +129,9 @@ SERVE_OPTIONS = (
     Option("grace", _non_negative_float, 10.0, "seconds in-flight calls get on SIGTERM/SIGINT"),
     Option("workers", _positive_int, None, "engine thread pool size (default 4-8 by CPU)"),
     Option("log_level", _log_level, "WARNING", "debug, info, warning (default), error"),
+    Option("shm", _bool, True, "offer the same-host shared-memory fast path (--no-shm: off)"),
+    Option("shm_group", _group_ids, None, "groups (names or gids) also allowed on the fast path"),
+    Option("shm_max_mb", _positive_int, 8192, "shared memory one fast-path client may hold, MiB"),
 )
 
 
@@ -117,6 +145,9 @@ class ServeConfig:
     grace: float = 10.0
     workers: int = field(default_factory=_default_workers)
     log_level: str = "WARNING"
+    shm: bool = True
+    shm_group: frozenset[int] = frozenset()
+    shm_max_mb: int = 8192
     buffers: list[BufferSpec] = field(default_factory=list)
 
     @property
@@ -126,9 +157,17 @@ class ServeConfig:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for opt in SERVE_OPTIONS:
+        help_text = f"{opt.help} [env {opt.env}; default {opt.default}]"
+        if opt.type is _bool:  # --flag / --no-flag
+            switch = parser.add_mutually_exclusive_group()
+            switch.add_argument(opt.flag, dest=opt.dest, action="store_const", const="1",
+                                default=None, help=help_text)
+            switch.add_argument("--no-" + opt.flag[2:], dest=opt.dest, action="store_const",
+                                const="0", help=argparse.SUPPRESS)
+            continue
         # Parsed as text (default None) so we can tell "not given" from a default.
         parser.add_argument(opt.flag, dest=opt.dest, default=None, metavar=opt.dest.upper(),
-                            help=f"{opt.help} [env {opt.env}; default {opt.default}]")
+                            help=help_text)
 
 
 def resolve_serve_config(args: argparse.Namespace, environ=os.environ) -> ServeConfig:

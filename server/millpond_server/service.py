@@ -27,6 +27,7 @@ import grpc
 
 from millpond.core import Schema, TieredBuffer
 from millpond.errors import InternalError, MessageTooLargeError, ReplayError
+from millpond.shm.protocol import read_boot_id
 from millpond.v1 import replay_pb2 as pb
 from millpond.wire.codec import decode_batch, decode_config, encode_config
 from millpond.wire.frames import (
@@ -39,6 +40,7 @@ from millpond.wire.frames import (
 )
 from millpond.wire.status import ERROR_CODE_KEY, status_for
 
+from .fastpath import FastPathServer
 from .registry import Registry, check_name
 
 log = logging.getLogger("millpond.service")
@@ -114,8 +116,11 @@ def _identity(data: bytes) -> bytes:
 class ReplayService:
     """Adapts ``millpond.v1.Replay`` calls to the registry and its buffers."""
 
-    def __init__(self, registry: Registry, executor: Executor, max_message_mb: int):
+    def __init__(self, registry: Registry, executor: Executor, max_message_mb: int,
+                 fastpath: FastPathServer | None = None, fastpath_off_reason: str = ""):
         self.registry = registry
+        self.fastpath = fastpath
+        self.fastpath_off_reason = fastpath_off_reason
         self.executor = executor
         self.max_message_mb = max_message_mb
         self.max_message_bytes = max_message_mb * 1024 * 1024
@@ -180,6 +185,12 @@ class ReplayService:
     def _list(self) -> pb.ListReply:
         return pb.ListReply(buffers=[buffer_info(n, b) for n, b in self.registry.list()])
 
+    async def Negotiate(self, request: pb.NegotiateRequest, context) -> pb.NegotiateReply:
+        if self.fastpath is None:
+            return pb.NegotiateReply(shm=False, reason=self.fastpath_off_reason)
+        return pb.NegotiateReply(shm=True, socket=self.fastpath.socket_name,
+                                 boot_id=read_boot_id(), uid=self.fastpath.uid)
+
 
 def add_to_server(service: ReplayService, server: grpc.aio.Server) -> None:
     """Register the service like the generated ``add_ReplayServicer_to_server``,
@@ -193,6 +204,7 @@ def add_to_server(service: ReplayService, server: grpc.aio.Server) -> None:
         "Close": pb.CloseRequest.FromString,
         "Info": pb.InfoRequest.FromString,
         "List": pb.ListRequest.FromString,
+        "Negotiate": pb.NegotiateRequest.FromString,
     }
     assert set(requests) == set(_METHODS), "service methods changed: update add_to_server"
     handlers = {

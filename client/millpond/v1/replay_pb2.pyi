@@ -137,3 +137,23 @@ class ListReply(_message.Message):
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     buffers: _containers.RepeatedCompositeFieldContainer[BufferInfo]
     def __init__(self, buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ...) -> None: ...
+
+class NegotiateRequest(_message.Message):
+    __slots__ = ("boot_id",)
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    boot_id: str
+    def __init__(self, boot_id: _Optional[str] = ...) -> None: ...
+
+class NegotiateReply(_message.Message):
+    __slots__ = ("shm", "socket", "boot_id", "uid", "reason")
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    shm: bool
+    socket: str
+    boot_id: str
+    uid: int
+    reason: str
+    def __init__(self, shm: _Optional[bool] = ..., socket: _Optional[str] = ..., boot_id: _Optional[str] = ..., uid: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...

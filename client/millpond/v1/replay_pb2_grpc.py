@@ -69,6 +69,11 @@ class ReplayStub:
                 request_serializer=millpond_dot_v1_dot_replay__pb2.ListRequest.SerializeToString,
                 response_deserializer=millpond_dot_v1_dot_replay__pb2.ListReply.FromString,
                 _registered_method=True)
+        self.Negotiate = channel.unary_unary(
+                '/millpond.v1.Replay/Negotiate',
+                request_serializer=millpond_dot_v1_dot_replay__pb2.NegotiateRequest.SerializeToString,
+                response_deserializer=millpond_dot_v1_dot_replay__pb2.NegotiateReply.FromString,
+                _registered_method=True)
 
 
 class ReplayServicer:
@@ -124,6 +129,13 @@ class ReplayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Negotiate(self, request, context):
+        """Offer the same-host fast path (shared memory + Unix socket), if enabled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +173,11 @@ def add_ReplayServicer_to_server(servicer, server):
                     servicer.List,
                     request_deserializer=millpond_dot_v1_dot_replay__pb2.ListRequest.FromString,
                     response_serializer=millpond_dot_v1_dot_replay__pb2.ListReply.SerializeToString,
+            ),
+            'Negotiate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Negotiate,
+                    request_deserializer=millpond_dot_v1_dot_replay__pb2.NegotiateRequest.FromString,
+                    response_serializer=millpond_dot_v1_dot_replay__pb2.NegotiateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,6 +369,33 @@ class Replay:
             '/millpond.v1.Replay/List',
             millpond_dot_v1_dot_replay__pb2.ListRequest.SerializeToString,
             millpond_dot_v1_dot_replay__pb2.ListReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Negotiate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/millpond.v1.Replay/Negotiate',
+            millpond_dot_v1_dot_replay__pb2.NegotiateRequest.SerializeToString,
+            millpond_dot_v1_dot_replay__pb2.NegotiateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,444 @@
+"""Client-side batching for actors that push one record per environment step.
+
+A :class:`PushBatcher` copies each record into preallocated column arrays and
+hands them to a ``send`` callable (e.g. a remote buffer's batch push) once
+``max_records`` are pending, or once the oldest pending record is
+``max_delay`` seconds old, or on :meth:`PushBatcher.flush` /
+:meth:`PushBatcher.close` / interpreter exit.
+
+Design (see the class docstring for the contract):
+
+* two sets of column arrays ("slots"), double-buffered: while one slot is
+  being sent, ``add`` fills the other; a full slot is never copied. ``send``
+  gets views of a slot and must not keep them after it returns.
+* one lock guards the slots (a record is copied in whole under it, so a send
+  never sees half a record); a second lock serialises ``send``, taken before
+  the first is released, so batches go out one at a time and in push order.
+* a daemon thread per batcher (started on the first record) sleeps on a
+  condition until the oldest pending record is due. It holds the batcher's
+  internal state, never the batcher itself; when the batcher is garbage
+  collected a finalizer wakes it to send what is pending and exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import numbers
+import os
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .core.schema import Schema
+from .errors import BufferClosedError, InvalidArgumentError
+
+SendFn = Callable[[dict[str, np.ndarray]], Any]
+
+# Every batcher state that may hold unsent records, for the exit hook and fork.
+_live: "weakref.WeakSet[_State]" = weakref.WeakSet()
+
+
+class PushBatcher:
+    """Accumulate single records and send them as batches.
+
+    ``send(columns)`` stores one batch ``{field: array[n, *shape]}`` (for a
+    remote buffer: its batch push). It may raise; :class:`~millpond.errors.ReplayError`
+    subclasses are passed through unchanged. The arrays it gets are views of
+    the batcher's own buffers, reused once ``send`` returns: ``send`` must
+    copy them if it keeps them (encoding or storing them counts as a copy).
+    ``send`` is never called concurrently for one batcher, and batches go out
+    in the order their records were added. ``send`` must not call back into
+    the same batcher.
+
+    **Records are acknowledged only when flushed.** :meth:`add` returning
+    means the record was validated and copied, not that it is stored. It is
+    stored once :meth:`flush` (or :meth:`close`) returns without raising, or
+    once a send that included it returned. Sends happen:
+
+    * when ``max_records`` records are pending (in the :meth:`add` that
+      filled the batch, which raises the send's error);
+    * when the oldest pending record is ``max_delay`` seconds old, from a
+      background thread (``max_delay=None`` turns this off). Its error is
+      kept and raised by the next :meth:`add` or :meth:`flush`;
+    * on :meth:`flush`, :meth:`close`, garbage collection of the batcher and
+      interpreter exit (errors there are printed to stderr: nobody is left
+      to catch them).
+
+    A failed send drops its batch (it is not retried) and raises. ``add`` is
+    thread-safe; several threads may add concurrently.
+    """
+
+    def __init__(
+        self,
+        schema: Schema,
+        send: SendFn,
+        max_records: int = 256,
+        max_delay: float | None = 0.05,
+    ):
+        if not isinstance(schema, Schema):
+            raise InvalidArgumentError(f"schema must be a millpond Schema, got {schema!r}")
+        if not callable(send):
+            raise InvalidArgumentError("send must be callable")
+        if (not isinstance(max_records, numbers.Integral) or isinstance(max_records, bool)
+                or max_records <= 0):
+            raise InvalidArgumentError(f"max_records must be a positive integer, got {max_records!r}")
+        if max_delay is not None:
+            if (not isinstance(max_delay, numbers.Real) or isinstance(max_delay, bool)
+                    or not 0 <= max_delay < float("inf")):
+                raise InvalidArgumentError(
+                    f"max_delay must be None or a finite number of seconds >= 0, got {max_delay!r}"
+                )
+            max_delay = float(max_delay)
+        self.schema = schema
+        self.max_records = int(max_records)
+        self.max_delay = max_delay
+        self._state = _State(schema, send, self.max_records, max_delay)
+        self._check = _make_checker(schema)
+        # Dropped without close(): wake the thread, which sends what is
+        # pending and exits. The finalizer holds the state, not the batcher.
+        self._finalizer = weakref.finalize(self, self._state.stop)
+
+    # ---- the hot path ------------------------------------------------------------
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        """Validate ``record`` (``{field: value}``) and queue a copy of it.
+
+        Raises at once, queuing nothing, on a record
+        :meth:`Schema.coerce_record` would refuse (same exceptions). Also
+        raises, before queuing, an error kept from a failed background send,
+        and :class:`~millpond.errors.BufferClosedError` after :meth:`close`.
+        If this record completes a batch, the batch is sent before returning
+        and a send error is raised here (the record was part of that batch).
+        Returning does **not** mean the record is stored; see :meth:`flush`.
+        """
+        state = self._state
+        if state.error is not None:
+            state.raise_kept_error()
+        values = self._check(record)
+        state.put(values)
+
+    # ---- acknowledgement and lifecycle ---------------------------------------
+
+    def flush(self) -> None:
+        """Send what is pending; return once ``send`` has stored it.
+
+        Every record whose :meth:`add` returned before this call is stored
+        when this returns without raising (including batches another thread
+        was sending). Raises the error of this send, or else an error kept
+        from an earlier background send.
+        """
+        state = self._state
+        state.flush()
+        if state.error is not None:
+            state.raise_kept_error()
+
+    @property
+    def pending(self) -> int:
+        """Records added but not yet handed to ``send``."""
+        return self._state.current.n
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    def close(self) -> None:
+        """Flush, then stop the background thread. Idempotent.
+
+        Later :meth:`add` calls raise :class:`~millpond.errors.BufferClosedError`.
+        Raises like :meth:`flush` (the batcher is closed even then).
+        """
+        state = self._state
+        if not state.close_for_adds():
+            return
+        try:
+            self.flush()
+        finally:
+            self._finalizer.detach()
+            state.stop()
+            state.join_thread()
+
+    def __enter__(self) -> "PushBatcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"PushBatcher(pending={self.pending}, max_records={self.max_records}, "
+            f"max_delay={self.max_delay}, closed={self.closed})"
+        )
+
+
+# ---- validation ---------------------------------------------------------------
+
+
+def _make_checker(schema: Schema) -> Callable[[Mapping[str, Any]], list]:
+    """A function returning a record's values in field order, validated.
+
+    Fast path: a plain dict whose values are ndarrays of exactly the field's
+    dtype and shape, or (scalar fields) Python/numpy scalars that store
+    without conversion rules: ``float``/``bool`` into float fields, ``bool``
+    into bool and int fields, the field's own numpy scalar type. Anything else
+    goes through :meth:`Schema.coerce_record`, which applies (and enforces)
+    the full conversion rules.
+    """
+    names = schema.names
+    n_fields = len(names)
+    plan = []
+    for f in schema.fields:
+        dt = np.dtype(f.dtype.str)  # the canonical instance, so `is` usually matches
+        scalars: tuple[type, ...] = ()
+        if f.shape == ():
+            native = (f.dtype.type,) if f.dtype.isnative else ()
+            if f.dtype.kind == "f":
+                scalars = (float, bool) + native
+            else:  # bool, int, uint
+                scalars = (bool,) + native
+        plan.append((f.name, dt, f.shape, frozenset(scalars)))
+    plan = tuple(plan)
+    ndarray = np.ndarray
+    coerce = schema.coerce_record
+
+    def check(record: Mapping[str, Any]) -> list:
+        if type(record) is dict and len(record) == n_fields:
+            values = []
+            for name, dt, shape, scalars in plan:
+                v = record.get(name, record)  # the record itself marks "missing"
+                tv = type(v)
+                if tv is ndarray:
+                    vdt = v.dtype
+                    if (vdt is not dt and vdt != dt) or v.shape != shape:
+                        break
+                elif tv not in scalars:
+                    break
+                values.append(v)
+            else:
+                return values
+        batch = coerce(record)
+        return [batch[name][0] for name in names]
+
+    return check
+
+
+# ---- state shared with the background thread ----------------------------------
+
+
+class _Slot:
+    """One set of column arrays ``[max_records, *shape]`` and its fill count."""
+
+    __slots__ = ("arrays", "targets", "n", "first_time")
+
+    def __init__(self, schema: Schema, max_records: int):
+        self.arrays = {f.name: np.empty((max_records,) + f.shape, f.dtype) for f in schema}
+        # Per field: row views for shaped fields (``rows[i][...] = v`` is
+        # ~2x faster than ``array[i] = v``), or None to assign ``array[i]``.
+        self.targets = tuple(
+            (list(self.arrays[f.name]) if f.shape else None, self.arrays[f.name])
+            for f in schema
+        )
+        self.n = 0
+        self.first_time = 0.0
+
+    def columns(self) -> dict[str, np.ndarray]:
+        n = self.n
+        if n == len(self.targets[0][1]):
+            return dict(self.arrays)
+        return {name: arr[:n] for name, arr in self.arrays.items()}
+
+
+class _State:
+    """Everything the batcher and its thread share (the thread never holds the batcher)."""
+
+    def __init__(self, schema: Schema, send: SendFn, max_records: int,
+                 max_delay: float | None):
+        self.schema = schema
+        self.send = send
+        self.max_records = max_records
+        self.max_delay = max_delay
+        self.current = _Slot(schema, max_records)
+        self.spare = _Slot(schema, max_records)
+        self.error: BaseException | None = None
+        self.closed = False
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self._init_locks()
+        _live.add(self)
+
+    def _init_locks(self) -> None:
+        # Reentrant: a garbage-collection finalizer may run stop() in a thread
+        # that already holds the lock.
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.send_lock = threading.Lock()
+
+    # -- adding
+
+    def put(self, values: list) -> None:
+        lock = self.lock
+        lock.acquire()
+        try:
+            if self.closed:
+                raise BufferClosedError("add() on a closed PushBatcher")
+            slot = self.current
+            i = slot.n
+            for (rows, arr), v in zip(slot.targets, values):
+                if rows is None:
+                    arr[i] = v
+                else:
+                    rows[i][...] = v
+            slot.n = i + 1
+            if i == 0:
+                self._first_pending(slot)
+            if i + 1 < self.max_records:
+                return
+        except BaseException:
+            lock.release()
+            raise
+        self._dispatch()  # releases the lock
+
+    def _first_pending(self, slot: _Slot) -> None:
+        if self.max_delay is None:
+            return
+        slot.first_time = time.monotonic()
+        if self.thread is None:
+            self.thread = threading.Thread(
+                target=_age_loop, args=(self,), name="millpond-push-batcher", daemon=True
+            )
+            self.thread.start()
+        else:
+            self.cond.notify()
+
+    # -- sending
+
+    def _dispatch(self) -> None:
+        """Send the current slot. Called with the lock held; returns with it released.
+
+        Taking ``send_lock`` before releasing ``lock`` orders sends as the
+        batches were cut, and waits for the spare slot's send to finish
+        before ``add`` may write into it.
+        """
+        try:
+            self.send_lock.acquire()
+        except BaseException:
+            self.lock.release()
+            raise
+        slot = self.current
+        self.current, self.spare = self.spare, slot
+        self.lock.release()
+        try:
+            if slot.n:
+                self.send(slot.columns())
+        finally:
+            slot.n = 0
+            self.send_lock.release()
+
+    def flush(self) -> None:
+        self.lock.acquire()
+        self._dispatch()
+
+    def keep_error(self, exc: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = exc
+
+    def raise_kept_error(self) -> None:
+        with self.lock:
+            exc, self.error = self.error, None
+        if exc is not None:
+            raise exc
+
+    # -- lifecycle
+
+    def close_for_adds(self) -> bool:
+        """Refuse further adds; False if already closed."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.closed = True
+            return True
+
+    def stop(self) -> None:
+        """Ask the thread to send what is pending and exit (also the GC finalizer)."""
+        with self.lock:
+            self.stopping = True
+            self.cond.notify_all()
+
+    def join_thread(self) -> None:
+        thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _after_fork_in_child(self) -> None:
+        # The parent owns the pending records and its thread does not exist
+        # here: start over empty, with fresh locks (another thread may have
+        # held them at fork time).
+        self._init_locks()
+        self.current.n = self.spare.n = 0
+        self.thread = None
+        self.error = None
+
+
+def _age_loop(state: _State) -> None:
+    """Send the pending records once the oldest is ``max_delay`` old; sleep otherwise."""
+    cond = state.cond
+    max_delay = state.max_delay
+    cond.acquire()
+    try:
+        while True:
+            slot = state.current
+            if slot.n:
+                wait = slot.first_time + max_delay - time.monotonic()
+                if wait > 0 and not state.stopping:
+                    cond.wait(wait)
+                    continue
+                try:
+                    state._dispatch()  # releases the lock
+                except BaseException as exc:  # kept, raised by the next add/flush
+                    if state.stopping:
+                        _report(exc)
+                    else:
+                        state.keep_error(exc)
+                finally:
+                    cond.acquire()
+            elif state.stopping:
+                return
+            else:
+                cond.wait()
+    finally:
+        cond.release()
+
+
+def _report(exc: BaseException) -> None:
+    """An error no caller can receive any more (exit, garbage collection)."""
+    print("millpond: PushBatcher could not send its last records:", file=sys.stderr)
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """Send the records every live batcher still holds."""
+    for state in list(_live):
+        try:
+            state.close_for_adds()
+            state.flush()
+            if state.error is not None:
+                state.raise_kept_error()
+        except BaseException as exc:
+            _report(exc)
+        finally:
+            state.stop()
+
+
+def _after_fork_in_child() -> None:
+    for state in list(_live):
+        state._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,122 @@
+"""Messages of the same-host fast path.
+
+One ``SOCK_SEQPACKET`` message per request and per reply (the socket keeps
+message boundaries, so no framing). A message is a small JSON object; file
+descriptors travel beside it as ``SCM_RIGHTS`` ancillary data. Requests:
+
+==================  ===========================================  ======================
+op                  fields                                       reply
+==================  ===========================================  ======================
+``push_segment``    ``size`` (+ 1 fd: the client's sealed memfd)  ``segment``
+``push``            ``buffer``, ``segment``, ``n``, ``columns``  ``size``, ``pushed``
+                    (``[[name, offset, dtype, shape], ...]``)
+``result_segment``  ``size``                                     ``segment`` (+ 1 fd, read-only)
+``sample``          ``buffer``, ``segment``, ``offset``,          (columns at ``layout``)
+                    ``batch_size``, ``seed``
+``release``         ``segment``                                  -
+==================  ===========================================  ======================
+
+Every reply has ``ok``; a failed one carries ``code`` (a stable error code of
+:mod:`millpond.errors`) and ``message`` instead, and the client raises the
+same exception class as the in-process buffer would.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+from typing import Any
+
+from ..core.schema import Schema
+from ..errors import InvalidArgumentError, ReplayError, error_classes
+
+VERSION = 1
+ALIGN = 64  # every column starts on a cache line
+MAX_MESSAGE = 64 * 1024
+MAX_FDS = 4
+
+_CLASSES = error_classes()
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def layout(schema: Schema, n: int) -> tuple[dict[str, tuple[int, int]], int]:
+    """Where each field's ``[n, *shape]`` block sits in a segment: ``({name: (offset, nbytes)}, total)``."""
+    offsets, pos = {}, 0
+    for f in schema:
+        nbytes = n * f.nbytes
+        offsets[f.name] = (pos, nbytes)
+        pos = _align(pos + nbytes)
+    return offsets, max(pos, ALIGN)
+
+
+def read_boot_id() -> str:
+    """This kernel boot's id: equal ids on both ends mean the same host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sock.sendmsg([data], ancillary)
+
+
+def recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message and the fds that came with it; ``(None, [])`` at end of stream.
+
+    Raises InvalidArgumentError for a truncated or non-JSON message; any fds
+    that arrived are closed first, so a hostile peer cannot leak them into us.
+    """
+    data, ancillary, flags, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(MAX_FDS * 4))
+    fds = _fds(ancillary)
+    if not data and not fds:
+        return None, []
+    try:
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            raise InvalidArgumentError("fast-path message or its fds were truncated")
+        message = json.loads(data)
+        if not isinstance(message, dict):
+            raise InvalidArgumentError("fast-path message is not a JSON object")
+    except (ValueError, InvalidArgumentError) as exc:
+        close_fds(fds)
+        if isinstance(exc, InvalidArgumentError):
+            raise
+        raise InvalidArgumentError("fast-path message is not JSON") from exc
+    return message, fds
+
+
+def _fds(ancillary: list) -> list[int]:
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % 4
+            fds.extend(array.array("i", payload[:usable]))
+    return fds
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def error_reply(error: ReplayError) -> dict[str, Any]:
+    return {"ok": False, "code": type(error).code, "message": str(error)}
+
+
+def raise_for(reply: dict[str, Any]) -> dict[str, Any]:
+    """Return a successful reply; raise the typed error a failed one names."""
+    if reply.get("ok"):
+        return reply
+    cls = _CLASSES.get(reply.get("code"), ReplayError)
+    raise cls(str(reply.get("message", "fast-path request failed")))

@@ -1,0 +1,215 @@
+"""The client side of the same-host fast path.
+
+A :class:`ShmSession` is one Unix-socket connection to the server's fast-path
+listener. Requests are serialized by a lock (one in flight per session);
+bulk data moves through segments:
+
+* one push segment, the client's own sealed memfd, grown on demand: a push
+  is one copy of the caller's arrays into it, then one small message;
+* a pool of result segments, owned by the server and mapped here
+  copy-on-write: a sample is gathered by the server straight into a free
+  segment and handed out as numpy arrays over it, with no copy.
+
+Sample results never change under the caller's feet: a result segment
+returns to the pool only when every array viewing it has been garbage
+collected (a finalizer on the arrays' common base). Results are writable;
+writes stay private to this process, and a reused segment first drops any
+privately written pages (``MADV_DONTNEED``), so it shows the server's new data.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import struct
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..core.schema import Schema
+from ..errors import DeadlineExceededError, ServerUnavailableError
+from . import memfd, protocol
+
+MIN_SEGMENT = 1 << 20
+MAX_RESULT_SEGMENTS = 16
+
+
+def _round_segment(size: int) -> int:
+    """Segment sizes are powers of two from 1 MiB: few sizes, good reuse."""
+    return max(MIN_SEGMENT, 1 << (size - 1).bit_length())
+
+
+@dataclass
+class _ResultSegment:
+    id: int
+    mm: mmap.mmap
+    free: bool = True
+    used: bool = False  # ever handed out: may hold private (written) pages
+
+
+class ShmSession:
+    """One fast-path connection. Thread-safe; not usable across fork."""
+
+    def __init__(self, socket_name: str, server_uid: int, timeout: float):
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._sock.settimeout(timeout)
+        self.timeout = timeout
+        try:
+            self._sock.connect("\0" + socket_name)
+            _, uid, _ = struct.unpack("3i", self._sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            if uid != server_uid:
+                raise ConnectionRefusedError(f"fast-path socket is owned by uid {uid}")
+        except OSError:
+            self._sock.close()
+            raise
+        self._lock = threading.Lock()
+        self.broken = False  # a request failed mid-way: replies may be out of step
+        self._push_segment: tuple[int, mmap.mmap] | None = None
+        self._results: list[_ResultSegment] = []
+
+    def _set_timeout(self, timeout: float) -> None:
+        if timeout != self.timeout:
+            self._sock.settimeout(timeout)
+            self.timeout = timeout
+
+    def _request(self, message: dict[str, Any], fds: tuple[int, ...] = ()) -> tuple[dict, list[int]]:
+        if self.broken:
+            raise ServerUnavailableError("fast-path session is broken")
+        try:
+            protocol.send(self._sock, message, fds)
+            reply, reply_fds = protocol.recv(self._sock)
+        except TimeoutError as exc:
+            self.broken = True
+            raise DeadlineExceededError(f"fast-path {message.get('op')} timed out") from exc
+        except OSError as exc:
+            self.broken = True
+            raise ServerUnavailableError(f"fast-path connection lost: {exc}") from exc
+        if reply is None:
+            self.broken = True
+            raise ServerUnavailableError("fast-path connection closed by the server")
+        try:
+            protocol.raise_for(reply)
+        except BaseException:
+            protocol.close_fds(reply_fds)
+            raise
+        return reply, reply_fds
+
+    # ---- push -----------------------------------------------------------------------
+
+    def push_batch(self, buffer: str, schema: Schema, n: int,
+                   columns: dict[str, np.ndarray], timeout: float) -> dict[str, Any]:
+        """Copy validated columns ``[n, *shape]`` into the push segment and store them."""
+        spans, total = protocol.layout(schema, n)
+        with self._lock:
+            self._set_timeout(timeout)
+            segment, mm = self._push_segment_for(total)
+            described = []
+            for f in schema:
+                offset, nbytes = spans[f.name]
+                if nbytes:
+                    target = np.frombuffer(mm, f.dtype, n * f.size, offset).reshape((n, *f.shape))
+                    np.copyto(target, columns[f.name], casting="no")
+                described.append([f.name, offset, f.dtype.str, [n, *f.shape]])
+            reply, _ = self._request({"op": "push", "buffer": buffer, "segment": segment,
+                                      "n": n, "columns": described})
+        return reply
+
+    def _push_segment_for(self, size: int) -> tuple[int, mmap.mmap]:
+        if self._push_segment is not None and len(self._push_segment[1]) >= size:
+            return self._push_segment
+        if self._push_segment is not None:
+            old, mm = self._push_segment
+            self._push_segment = None
+            mm.close()
+            self._request({"op": "release", "segment": old})
+        size = _round_segment(size)
+        fd = memfd.create_segment(size, "millpond-push")
+        try:
+            mm = memfd.map_segment(fd, size, writable=True)
+            reply, _ = self._request({"op": "push_segment", "size": size}, (fd,))
+        finally:
+            os.close(fd)
+        self._push_segment = (reply["segment"], mm)
+        return self._push_segment
+
+    # ---- sample ---------------------------------------------------------------------
+
+    def sample(self, buffer: str, schema: Schema, batch_size: int,
+               seed: int | None, timeout: float) -> dict[str, np.ndarray]:
+        """Sample into a free result segment; return arrays viewing it (no copy)."""
+        spans, total = protocol.layout(schema, batch_size)
+        with self._lock:
+            self._set_timeout(timeout)
+            segment = self._free_result_segment(total)
+            try:
+                self._request({"op": "sample", "buffer": buffer, "segment": segment.id,
+                               "offset": 0, "batch_size": batch_size, "seed": seed})
+            except BaseException:
+                segment.free = True
+                raise
+        base = np.frombuffer(segment.mm, np.uint8, total)
+        weakref.finalize(base, _mark_free, segment)
+        return {
+            f.name: base[spans[f.name][0] : spans[f.name][0] + spans[f.name][1]]
+            .view(f.dtype).reshape((batch_size, *f.shape))
+            for f in schema
+        }
+
+    def _free_result_segment(self, size: int) -> _ResultSegment:
+        fitting = [s for s in self._results if s.free and len(s.mm) >= size]
+        if fitting:
+            segment = min(fitting, key=lambda s: len(s.mm))
+            if segment.used:  # forget pages a previous holder wrote privately
+                segment.mm.madvise(mmap.MADV_DONTNEED)
+        else:
+            segment = self._new_result_segment(_round_segment(size))
+        segment.free, segment.used = False, True
+        return segment
+
+    def _new_result_segment(self, size: int) -> _ResultSegment:
+        if len(self._results) >= MAX_RESULT_SEGMENTS:
+            # Every segment is still referenced by live results: drop the
+            # smallest free one if any, else refuse (the caller falls back).
+            free = [s for s in self._results if s.free]
+            if not free:
+                raise ResultPoolExhausted(
+                    f"{MAX_RESULT_SEGMENTS} earlier sample results are still alive"
+                )
+            victim = min(free, key=lambda s: len(s.mm))
+            self._results.remove(victim)
+            self._request({"op": "release", "segment": victim.id})
+        reply, fds = self._request({"op": "result_segment", "size": size})
+        try:
+            if len(fds) != 1:
+                raise ServerUnavailableError("fast-path result segment arrived without its fd")
+            memfd.check_segment(fds[0], size)
+            mm = mmap.mmap(fds[0], size, access=mmap.ACCESS_COPY)
+        finally:
+            protocol.close_fds(fds)
+        segment = _ResultSegment(reply["segment"], mm)
+        self._results.append(segment)
+        return segment
+
+    def close(self) -> None:
+        """Close the connection; arrays already handed out stay valid."""
+        with self._lock:
+            if self._push_segment is not None:
+                self._push_segment[1].close()
+                self._push_segment = None
+            self._results.clear()  # maps close when their last array goes
+            self._sock.close()
+
+
+class ResultPoolExhausted(Exception):
+    """Too many live sample results to give another one its own segment."""
+
+
+def _mark_free(segment: _ResultSegment) -> None:
+    # Runs in whichever thread drops the last array: a plain attribute store
+    # (atomic under the GIL), never a lock the sampling thread may hold.
+    segment.free = True

@@ -1,0 +1,325 @@
+"""The server side of the same-host fast path (see :mod:`millpond.shm`).
+
+A listener thread accepts connections on an abstract Unix socket and admits
+only peers of the server's user (or of a configured group), checked with
+``SO_PEERCRED``. Each admitted client gets a session thread that serves its
+requests straight against the registry's buffers: no event loop hop, no
+gRPC, no serialization of bulk data.
+
+Nothing from a client is trusted: every segment fd must be a sealed memfd of
+the announced size, every offset and shape is checked against the segment
+and the schema before a view is made, unexpected fds are closed, and bad
+requests get an error reply while the session and the server keep serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import struct
+import threading
+import uuid
+from typing import Any
+
+import numpy as np
+
+from millpond.core.buffer import check_batch_size, check_seed
+from millpond.errors import InternalError, InvalidArgumentError, ReplayError, SharedMemoryError
+from millpond.shm import memfd, protocol
+
+from .registry import Registry
+
+log = logging.getLogger("millpond.fastpath")
+
+MAX_SEGMENTS = 64  # per session
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket."""
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)
+
+
+def _peer_groups(pid: int, gid: int) -> set[int]:
+    groups = {gid}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    groups.update(int(g) for g in line.split()[1:])
+    except OSError:
+        pass
+    return groups
+
+
+class FastPathServer:
+    """Listens on ``\\0<socket_name>``; one :class:`Session` thread per client."""
+
+    def __init__(self, registry: Registry, allowed_gids: frozenset[int] = frozenset(),
+                 max_session_bytes: int = 8 << 30):
+        self.registry = registry
+        self.allowed_gids = allowed_gids
+        self.max_session_bytes = max_session_bytes
+        self.socket_name = f"millpond-{os.getpid()}-{uuid.uuid4().hex}"
+        self.uid = os.getuid()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._listener.bind("\0" + self.socket_name)
+        self._listener.listen(128)
+        self._sessions: set[Session] = set()
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._accept_loop, name="millpond-shm-accept",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop accepting, end every session, release every segment."""
+        self._stopping = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        self._thread.join(5)
+        with self._lock:
+            sessions = list(self._sessions)
+        for session in sessions:
+            session.shutdown()
+        for session in sessions:
+            session.join(5)
+
+    def admits(self, uid: int, pid: int, gid: int) -> bool:
+        return uid == self.uid or bool(self.allowed_gids & _peer_groups(pid, gid))
+
+    def _accept_loop(self) -> None:
+        while not self._stopping:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # listener closed by stop()
+            pid, uid, gid = peer_credentials(conn)
+            if not self.admits(uid, pid, gid):
+                log.warning("shm peer refused", extra={"kv": {"pid": pid, "uid": uid}})
+                conn.close()
+                continue
+            session = Session(self, conn, pid)
+            with self._lock:
+                self._sessions.add(session)
+            session.start()
+
+    def _ended(self, session: "Session") -> None:
+        with self._lock:
+            self._sessions.discard(session)
+
+
+class Session(threading.Thread):
+    """Serves one client's requests in order until it disconnects."""
+
+    def __init__(self, server: FastPathServer, conn: socket.socket, pid: int):
+        super().__init__(name=f"millpond-shm-{pid}", daemon=True)
+        self.server = server
+        self.conn = conn
+        self.pid = pid
+        self.push_segments: dict[int, mmap.mmap] = {}
+        self.result_segments: dict[int, mmap.mmap] = {}
+        self.reserved = 0
+        self._next_id = 0
+        self._handlers = {
+            "push_segment": self.attach_push_segment,
+            "push": self.push,
+            "result_segment": self.new_result_segment,
+            "sample": self.sample,
+            "release": self.release,
+        }
+
+    def run(self) -> None:
+        try:
+            while True:
+                try:
+                    message, fds = protocol.recv(self.conn)
+                except ReplayError as exc:  # malformed message: say so, keep serving
+                    protocol.send(self.conn, protocol.error_reply(exc))
+                    continue
+                if message is None:
+                    return
+                reply, out_fds = self.handle(message, fds)
+                try:
+                    protocol.send(self.conn, reply, out_fds)
+                finally:
+                    protocol.close_fds(out_fds)
+        except OSError:
+            pass  # client went away (or shutdown): clean up below
+        finally:
+            self.cleanup()
+
+    def handle(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
+        """Run one request; fds that arrived with it are always closed here."""
+        try:
+            handler = self._handlers.get(message.get("op"))
+            if handler is None:
+                raise InvalidArgumentError(f"unknown fast-path op {message.get('op')!r}")
+            return handler(message, fds)
+        except ReplayError as exc:
+            return protocol.error_reply(exc), []
+        except Exception as exc:  # a bug, not the client's fault: report, keep serving
+            log.exception("fast-path request failed", extra={"kv": {"op": message.get("op")}})
+            return protocol.error_reply(InternalError(f"{type(exc).__name__}: {exc}")), []
+        finally:
+            protocol.close_fds(fds)
+
+    # ---- segments -----------------------------------------------------------------
+
+    def _reserve(self, size: Any) -> int:
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise InvalidArgumentError(f"segment size must be a positive integer, got {size!r}")
+        if len(self.push_segments) + len(self.result_segments) >= MAX_SEGMENTS:
+            raise SharedMemoryError(f"a fast-path session may hold at most {MAX_SEGMENTS} segments")
+        if self.reserved + size > self.server.max_session_bytes:
+            raise SharedMemoryError(
+                f"segment of {size:,} bytes would exceed this session's shared-memory limit "
+                f"of {self.server.max_session_bytes:,} bytes (--shm-max-mb)"
+            )
+        self._next_id += 1
+        return self._next_id
+
+    def attach_push_segment(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
+        if len(fds) != 1:
+            raise InvalidArgumentError("push_segment needs exactly one fd")
+        size = message.get("size")
+        segment = self._reserve(size)
+        memfd.check_segment(fds[0], size)
+        self.push_segments[segment] = memfd.map_segment(fds[0], size, writable=False)
+        self.reserved += size
+        return {"ok": True, "segment": segment}, []
+
+    def new_result_segment(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
+        self._no_fds(fds)
+        size = message.get("size")
+        segment = self._reserve(size)
+        fd = memfd.create_segment(size, f"millpond-result-{self.pid}")
+        try:
+            self.result_segments[segment] = memfd.map_segment(fd, size, writable=True)
+            readonly = memfd.reopen_readonly(fd)
+        finally:
+            os.close(fd)
+        self.reserved += size
+        return {"ok": True, "segment": segment}, [readonly]
+
+    def release(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
+        self._no_fds(fds)
+        segment = message.get("segment")
+        for table in (self.push_segments, self.result_segments):
+            if segment in table:
+                mm = table.pop(segment)
+                self.reserved -= len(mm)
+                _close_map(mm)
+                return {"ok": True}, []
+        raise InvalidArgumentError(f"no segment {segment!r} in this session")
+
+    # ---- data -----------------------------------------------------------------------
+
+    def push(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
+        self._no_fds(fds)
+        buffer = self._buffer(message)
+        mm = self._segment(self.push_segments, message.get("segment"))
+        n = message.get("n")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise InvalidArgumentError(f"n must be a non-negative integer, got {n!r}")
+        columns = message.get("columns")
+        if not isinstance(columns, list):
+            raise InvalidArgumentError("columns must be a list of [name, offset, dtype, shape]")
+        views = {}
+        for entry in columns:
+            name, array = self._column_view(mm, buffer.schema, entry, n)
+            views[name] = array
+        buffer.push_batch(views)  # checks the field set; copies the views once
+        return {"ok": True, "size": len(buffer), "pushed": buffer.pushed}, []
+
+    def _column_view(self, mm: mmap.mmap, schema, entry: Any, n: int) -> tuple[str, np.ndarray]:
+        if not (isinstance(entry, list) and len(entry) == 4):
+            raise InvalidArgumentError("each column must be [name, offset, dtype, shape]")
+        name, offset, dtype, shape = entry
+        try:
+            field = schema[name]
+        except (KeyError, TypeError):
+            raise InvalidArgumentError(f"unknown field {name!r}") from None
+        if dtype != field.dtype.str or shape != [n, *field.shape]:
+            raise InvalidArgumentError(
+                f"field {name!r}: expected {field.dtype.str}{[n, *field.shape]}, got {dtype}{shape}"
+            )
+        nbytes = n * field.nbytes
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 \
+                or offset % field.dtype.itemsize or offset + nbytes > len(mm):
+            raise InvalidArgumentError(
+                f"field {name!r}: {nbytes:,} bytes at offset {offset!r} do not fit the "
+                f"{len(mm):,}-byte segment"
+            )
+        array = np.frombuffer(mm, field.dtype, n * field.size, offset)
+        return name, array.reshape((n, *field.shape))
+
+    def sample(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
+        self._no_fds(fds)
+        buffer = self._buffer(message)
+        mm = self._segment(self.result_segments, message.get("segment"))
+        batch_size = check_batch_size(message.get("batch_size"))
+        seed = check_seed(message.get("seed"))
+        offset = message.get("offset")
+        spans, total = protocol.layout(buffer.schema, batch_size)
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 \
+                or offset % protocol.ALIGN or offset + total > len(mm):
+            raise InvalidArgumentError(
+                f"a sample of {total:,} bytes at offset {offset!r} does not fit the "
+                f"{len(mm):,}-byte segment"
+            )
+        out = {
+            f.name: np.frombuffer(mm, f.dtype, batch_size * f.size, offset + spans[f.name][0])
+            .reshape((batch_size, *f.shape))
+            for f in buffer.schema
+        }
+        buffer.sample(batch_size, seed, out=out)
+        return {"ok": True}, []
+
+    # ---- helpers --------------------------------------------------------------------
+
+    def _buffer(self, message: dict):
+        name = message.get("buffer")
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"buffer must be a name, got {name!r}")
+        return self.server.registry.get(name)
+
+    @staticmethod
+    def _no_fds(fds: list[int]) -> None:
+        if fds:
+            raise InvalidArgumentError("this request takes no fds")
+
+    @staticmethod
+    def _segment(table: dict[int, mmap.mmap], segment: Any) -> mmap.mmap:
+        try:
+            return table[segment]
+        except (KeyError, TypeError):
+            raise InvalidArgumentError(f"no such segment {segment!r} in this session") from None
+
+    def shutdown(self) -> None:
+        try:
+            self.conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def cleanup(self) -> None:
+        for table in (self.push_segments, self.result_segments):
+            for mm in table.values():
+                _close_map(mm)
+            table.clear()
+        self.conn.close()
+        self.server._ended(self)
+
+
+def _close_map(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        pass  # a view is still alive somewhere; the map goes when it does
