@@ -129,6 +129,7 @@ class Session(threading.Thread):
         self.reserved = 0
         self._next_id = 0
         self._handlers = {
+            "hello": self.hello,
             "push_segment": self.attach_push_segment,
             "push": self.push,
             "result_segment": self.new_result_segment,
@@ -170,6 +171,15 @@ class Session(threading.Thread):
             return protocol.error_reply(InternalError(f"{type(exc).__name__}: {exc}")), []
         finally:
             protocol.close_fds(fds)
+
+    def hello(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
+        self._no_fds(fds)
+        if message.get("version") != protocol.VERSION:
+            raise InvalidArgumentError(
+                f"fast-path protocol version {message.get('version')!r}; "
+                f"this server speaks {protocol.VERSION}"
+            )
+        return {"ok": True, "version": protocol.VERSION}, []
 
     # ---- segments -----------------------------------------------------------------
 

@@ -7,6 +7,7 @@ descriptors travel beside it as ``SCM_RIGHTS`` ancillary data. Requests:
 ==================  ===========================================  ======================
 op                  fields                                       reply
 ==================  ===========================================  ======================
+``hello``           ``version``                                  ``version``
 ``push_segment``    ``size`` (+ 1 fd: the client's sealed memfd)  ``segment``
 ``push``            ``buffer``, ``segment``, ``n``, ``columns``  ``size``, ``pushed``
                     (``[[name, offset, dtype, shape], ...]``)

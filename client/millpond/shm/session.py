@@ -64,6 +64,13 @@ class ShmSession:
                 socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
             if uid != server_uid:
                 raise ConnectionRefusedError(f"fast-path socket is owned by uid {uid}")
+            # The server closes connections from peers it does not admit:
+            # learn that now, not on the first push.
+            protocol.send(self._sock, {"op": "hello", "version": protocol.VERSION})
+            reply, fds = protocol.recv(self._sock)
+            protocol.close_fds(fds)
+            if not reply or not reply.get("ok"):
+                raise ConnectionRefusedError("the server did not admit this client")
         except OSError:
             self._sock.close()
             raise
