@@ -128,6 +128,8 @@ class Session(threading.Thread):
         self.result_segments: dict[int, mmap.mmap] = {}
         self.reserved = 0
         self._next_id = 0
+        # (segment, offset, batch_size, buffer) -> the views a sample gathers into
+        self._sample_views: dict[tuple, dict[str, np.ndarray]] = {}
         self._handlers = {
             "hello": self.hello,
             "push_segment": self.attach_push_segment,
@@ -141,7 +143,7 @@ class Session(threading.Thread):
         try:
             while True:
                 try:
-                    message, fds = protocol.recv(self.conn)
+                    message, fds = protocol.recv(self.conn, protocol.SERVER_SPIN)
                 except ReplayError as exc:  # malformed message: say so, keep serving
                     protocol.send(self.conn, protocol.error_reply(exc))
                     continue
@@ -224,6 +226,7 @@ class Session(threading.Thread):
         segment = message.get("segment")
         for table in (self.push_segments, self.result_segments):
             if segment in table:
+                self._sample_views = {k: v for k, v in self._sample_views.items() if k[0] != segment}
                 mm = table.pop(segment)
                 self.reserved -= len(mm)
                 _close_map(mm)
@@ -285,11 +288,16 @@ class Session(threading.Thread):
                 f"a sample of {total:,} bytes at offset {offset!r} does not fit the "
                 f"{len(mm):,}-byte segment"
             )
-        out = {
-            f.name: np.frombuffer(mm, f.dtype, batch_size * f.size, offset + spans[f.name][0])
-            .reshape((batch_size, *f.shape))
-            for f in buffer.schema
-        }
+        key = (message["segment"], offset, batch_size, buffer)
+        out = self._sample_views.get(key)
+        if out is None:  # learners repeat the same request shape: build views once
+            if len(self._sample_views) >= 64:
+                self._sample_views.clear()
+            out = self._sample_views[key] = {
+                f.name: np.frombuffer(mm, f.dtype, batch_size * f.size, offset + spans[f.name][0])
+                .reshape((batch_size, *f.shape))
+                for f in buffer.schema
+            }
         buffer.sample(batch_size, seed, out=out)
         return {"ok": True}, []
 
@@ -320,6 +328,7 @@ class Session(threading.Thread):
             pass
 
     def cleanup(self) -> None:
+        self._sample_views.clear()
         for table in (self.push_segments, self.result_segments):
             for mm in table.values():
                 _close_map(mm)

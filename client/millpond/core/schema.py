@@ -6,6 +6,7 @@ touches it (:meth:`Schema.coerce_batch`), so a rejected push changes nothing.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -51,12 +52,12 @@ class Field:
     dtype: np.dtype
     shape: tuple[int, ...]
 
-    @property
+    @functools.cached_property  # hot paths ask often; the field never changes
     def size(self) -> int:
         """Number of scalars per record."""
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes per record."""
         return self.size * self.dtype.itemsize
@@ -92,6 +93,7 @@ class Schema:
             raise InvalidConfigError(f"duplicate field names in {names}")
         self.fields: tuple[Field, ...] = tuple(fields)
         self._by_name = {f.name: f for f in fields}
+        self._hash = hash(tuple(self.spec().items()))
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> "Schema":
@@ -149,7 +151,7 @@ class Schema:
         return isinstance(other, Schema) and self.spec() == other.spec()
 
     def __hash__(self) -> int:
-        return hash(tuple(self.spec().items()))
+        return self._hash
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{f.name}: {f.dtype.name}{list(f.shape)}" for f in self.fields)

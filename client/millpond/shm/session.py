@@ -89,7 +89,7 @@ class ShmSession:
             raise ServerUnavailableError("fast-path session is broken")
         try:
             protocol.send(self._sock, message, fds)
-            reply, reply_fds = protocol.recv(self._sock)
+            reply, reply_fds = protocol.recv(self._sock, protocol.CLIENT_SPIN)
         except TimeoutError as exc:
             self.broken = True
             raise DeadlineExceededError(f"fast-path {message.get('op')} timed out") from exc
