@@ -34,7 +34,7 @@ from millpond.core import Schema, TieredBuffer  # noqa: E402
 from support import ServerProcess  # noqa: E402
 
 SAMPLE_BATCH = 256
-CALLERS = 4  # concurrent callers (threads) for the "remote xN" rows
+CALLERS = 4  # concurrent callers (threads) for the "grpc xN" rows
 
 
 @dataclass
@@ -90,9 +90,13 @@ class NumpyRing:
         self.pos = (self.pos + n) % self.capacity
         self.size = min(self.size + n, self.capacity)
 
-    def sample(self, batch_size: int, seed=None) -> dict:
+    def sample(self, batch_size: int, seed=None, out: dict | None = None) -> dict:
         idx = np.random.default_rng(seed).integers(0, self.size, batch_size)
-        return {name: np.take(col, idx, axis=0, mode="clip") for name, col in self.columns.items()}
+        if out is None:
+            return {name: np.take(col, idx, axis=0, mode="clip") for name, col in self.columns.items()}
+        for name, col in self.columns.items():
+            np.take(col, idx, axis=0, out=out[name], mode="clip")
+        return out
 
 
 def timed_rate(fn, items_per_call: int, seconds: float, threads: int = 1, repeats: int = 3) -> float:
@@ -180,6 +184,93 @@ def call_floor(address: str, seconds: float) -> float:
         return timed_rate(lambda: stub.Check(request), 1, seconds)
 
 
+def latency_p50(fn, seconds: float) -> float:
+    """Median seconds per call over about ``seconds``."""
+    fn()
+    times, deadline = [], time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def throughput_table(server: ServerProcess, tmp: Path, quick: bool, seconds: float) -> dict:
+    """The main table; returns the rates and rings the shared-memory section reuses."""
+    grpc_client = millpond.connect(server.address, shm=False)
+    shm_client = millpond.connect(server.address, shm=True)
+    header = f"{'workload':9} {'op':17} {'path':10} {'throughput':>31} {'vs numpy':>9}"
+    print(header + "\n" + "-" * len(header))
+    results = {}
+    for w in workloads(quick):
+        ring = NumpyRing(w.schema, w.total)
+        local = TieredBuffer(w.schema, w.hot, w.total, tmp / f"{w.name}.cold")
+        grpc_buf = grpc_client.create_buffer(f"bench-{w.name}", hot_capacity=w.hot,
+                                             total_capacity=w.total, fields=w.schema)
+        shm_buf = shm_client.buffer(f"bench-{w.name}")
+        paths = {  # path: (push, sample, concurrent callers)
+            "numpy": (ring.push_batch, ring.sample, 1),
+            "in-process": (local.push_batch, local.sample, 1),
+            "grpc": (lambda b: grpc_buf.push_batch(**b), grpc_buf.sample, 1),
+            f"grpc x{CALLERS}": (lambda b: grpc_buf.push_batch(**b), grpc_buf.sample, CALLERS),
+            "shm": (lambda b: shm_buf.push_batch(**b), shm_buf.sample, 1),
+        }
+        rates = {path: measure(w, push, sample, seconds, threads)
+                 for path, (push, sample, threads) in paths.items()}
+        for i, op in enumerate((f"push_batch({w.push_batch})", f"sample({SAMPLE_BATCH})")):
+            for path, pair in rates.items():
+                ratio = pair[i] / rates["numpy"][i]
+                print(f"{w.name:9} {op:17} {path:10} {fmt_rate(pair[i], w.schema.record_nbytes)}"
+                      f" {ratio:>8.2f}x")
+        results[w.name] = (w, ring, rates, shm_buf)
+        local.close()
+    return results
+
+
+def shared_memory_section(results: dict, server: ServerProcess, seconds: float) -> None:
+    """The same-host targets, each beside its limit measured in the same run."""
+    atari, atari_ring, atari_rates, _ = results["Atari"]
+    cart, cart_ring, _, cart_shm = results["CartPole"]
+    out = {f.name: np.empty((SAMPLE_BATCH,) + f.shape, f.dtype) for f in atari.schema}
+    gather = timed_rate(lambda: atari_ring.sample(SAMPLE_BATCH, out=out), SAMPLE_BATCH, seconds)
+    nbytes = atari.schema.record_nbytes
+    rows = [
+        ("Atari sample(256)", atari_rates["shm"][1] * nbytes / 1e9, "GB/s",
+         "numpy gather into preallocated arrays", gather * nbytes / 1e9, ">= 0.7x"),
+        (f"Atari push_batch({atari.push_batch})", atari_rates["shm"][0] * nbytes / 1e9, "GB/s",
+         "np.copyto of the same bytes into a ring", atari_rates["numpy"][0] * nbytes / 1e9,
+         ">= 0.5x"),
+    ]
+    cart_out = {f.name: np.empty((SAMPLE_BATCH,) + f.shape, f.dtype) for f in cart.schema}
+    shm_p50 = latency_p50(lambda: cart_shm.sample(SAMPLE_BATCH), seconds) * 1e6
+    numpy_p50 = latency_p50(lambda: cart_ring.sample(SAMPLE_BATCH, out=cart_out), seconds) * 1e6
+    print(f"\nSame host, shared memory (client.transport == 'shm'):")
+    for op, value, unit, limit_name, limit, target in rows:
+        print(f"  {op:22} {value:7.2f} {unit} vs {limit_name} {limit:6.2f} {unit}"
+              f" = {value / limit:.2f}x (target {target})")
+    print(f"  {'CartPole sample(256)':22} p50 {shm_p50:6.0f} us vs in-process numpy ring "
+          f"p50 {numpy_p50:.0f} us (target <= 60 us)")
+    steps = push_per_step_rate(server, seconds)
+    print(f"  {'CartPole push per step':22} {steps:9,.0f} steps/s with client-side batching "
+          f"(target >= 100,000)")
+
+
+def push_per_step_rate(server: ServerProcess, seconds: float) -> float:
+    """An actor's loop: one ``push`` per environment step, batched by the client."""
+    buf = millpond.connect(server.address, shm=True).create_buffer(
+        "bench-steps", capacity=1_000_000, obs_dim=4, act_dim=1)
+    obs, action, next_obs = np.zeros(4, np.float32), np.zeros(1, np.float32), np.ones(4, np.float32)
+
+    def step() -> None:
+        for _ in range(1_000):
+            buf.push(obs, action, 1.0, False, False, next_obs)
+        buf.flush()
+
+    rate = timed_rate(step, 1_000, seconds)
+    buf.close()
+    return rate
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, short timings")
@@ -190,30 +281,8 @@ def main() -> None:
     print(f"millpond {millpond.__version__} benchmark; numpy {np.__version__}; "
           f"{os.cpu_count()} cores; sample batch {SAMPLE_BATCH}; median of 3 x {seconds}s\n")
     with ServerProcess(tmp / "data") as server:
-        client = millpond.connect(server.address)
-        header = f"{'workload':9} {'op':17} {'path':10} {'throughput':>31} {'vs numpy':>9}"
-        print(header + "\n" + "-" * len(header))
-        for w in workloads(args.quick):
-            ring = NumpyRing(w.schema, w.total)
-            local = TieredBuffer(w.schema, w.hot, w.total, tmp / f"{w.name}.cold")
-            remote = client.create_buffer(f"bench-{w.name}", hot_capacity=w.hot,
-                                          total_capacity=w.total, fields=w.schema)
-            remote_push = lambda b, r=remote: r.push_batch(**b)  # noqa: E731
-            paths = {  # path: (push, sample, concurrent callers)
-                "numpy": (ring.push_batch, ring.sample, 1),
-                "in-process": (local.push_batch, local.sample, 1),
-                "remote": (remote_push, remote.sample, 1),
-                f"remote x{CALLERS}": (remote_push, remote.sample, CALLERS),
-            }
-            rates = {path: measure(w, push, sample, seconds, threads)
-                     for path, (push, sample, threads) in paths.items()}
-            for i, op in enumerate((f"push_batch({w.push_batch})", f"sample({SAMPLE_BATCH})")):
-                for path, pair in rates.items():
-                    ratio = pair[i] / rates["numpy"][i]
-                    print(f"{w.name:9} {op:17} {path:10} {fmt_rate(pair[i], w.schema.record_nbytes)}"
-                          f" {ratio:>8.2f}x")
-            local.close()
-            remote.close()
+        results = throughput_table(server, tmp, args.quick, seconds)
+        shared_memory_section(results, server, seconds)
         floor = call_floor(server.address, seconds)
         print(f"\ngRPC floor: an empty call (health check) takes {1e6 / floor:,.0f} us round trip "
               f"here, so one caller can make at most {floor:,.0f} calls/s "

@@ -297,3 +297,9 @@ def test_unexpected_fds_are_refused_and_nothing_leaks(shared_server, raw):
     for fd in fds:
         os.close(fd)
     assert raw(json.dumps({"op": "release", "segment": 12345}).encode())["ok"] is False
+
+
+def test_segment_larger_than_memory_is_a_clear_error_not_the_oom_killer():
+    too_big = (memfd.available_memory() or 1 << 40) * 2
+    with pytest.raises(millpond.SharedMemoryError, match="available"):
+        memfd.create_segment(too_big, "too-big")
