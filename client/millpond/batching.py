@@ -98,7 +98,6 @@ class PushBatcher:
         self.max_records = int(max_records)
         self.max_delay = max_delay
         self._state = _State(schema, send, self.max_records, max_delay)
-        self._check = _make_checker(schema)
         # Dropped without close(): wake the thread, which sends what is
         # pending and exits. The finalizer holds the state, not the batcher.
         self._finalizer = weakref.finalize(self, self._state.stop)
@@ -119,8 +118,7 @@ class PushBatcher:
         state = self._state
         if state.error is not None:
             state.raise_kept_error()
-        values = self._check(record)
-        state.put(values)
+        state.add(record)
 
     # ---- acknowledgement and lifecycle ---------------------------------------
 
@@ -175,79 +173,49 @@ class PushBatcher:
         )
 
 
-# ---- validation ---------------------------------------------------------------
+# ---- column slots ---------------------------------------------------------------
 
 
-def _make_checker(schema: Schema) -> Callable[[Mapping[str, Any]], list]:
-    """A function returning a record's values in field order, validated.
+def _fast_types(field: Any) -> tuple[np.dtype, frozenset]:
+    """What the fast path of ``add`` stores as is, for ``field``.
 
-    Fast path: a plain dict whose values are ndarrays of exactly the field's
-    dtype and shape, or (scalar fields) Python/numpy scalars that store
-    without conversion rules: ``float``/``bool`` into float fields, ``bool``
-    into bool and int fields, the field's own numpy scalar type. Anything else
-    goes through :meth:`Schema.coerce_record`, which applies (and enforces)
-    the full conversion rules.
+    An ndarray of exactly the field's dtype (compared by identity first: the
+    canonical dtype instance) and shape; for scalar fields also Python and
+    numpy scalars that store without conversion rules: ``float``/``bool``
+    into float fields, ``bool`` into bool and int fields, the field's own
+    numpy scalar type. Anything else goes through
+    :meth:`Schema.coerce_record`, which applies (and enforces) the full rules.
     """
-    names = schema.names
-    n_fields = len(names)
-    plan = []
-    for f in schema.fields:
-        dt = np.dtype(f.dtype.str)  # the canonical instance, so `is` usually matches
-        scalars: tuple[type, ...] = ()
-        if f.shape == ():
-            native = (f.dtype.type,) if f.dtype.isnative else ()
-            if f.dtype.kind == "f":
-                scalars = (float, bool) + native
-            else:  # bool, int, uint
-                scalars = (bool,) + native
-        plan.append((f.name, dt, f.shape, frozenset(scalars)))
-    plan = tuple(plan)
-    ndarray = np.ndarray
-    coerce = schema.coerce_record
-
-    def check(record: Mapping[str, Any]) -> list:
-        if type(record) is dict and len(record) == n_fields:
-            values = []
-            for name, dt, shape, scalars in plan:
-                v = record.get(name, record)  # the record itself marks "missing"
-                tv = type(v)
-                if tv is ndarray:
-                    vdt = v.dtype
-                    if (vdt is not dt and vdt != dt) or v.shape != shape:
-                        break
-                elif tv not in scalars:
-                    break
-                values.append(v)
-            else:
-                return values
-        batch = coerce(record)
-        return [batch[name][0] for name in names]
-
-    return check
-
-
-# ---- state shared with the background thread ----------------------------------
+    scalars: tuple[type, ...] = ()
+    if field.shape == ():
+        native = (field.dtype.type,) if field.dtype.isnative else ()
+        scalars = ((float, bool) if field.dtype.kind == "f" else (bool,)) + native
+    return np.dtype(field.dtype.str), frozenset(scalars)
 
 
 class _Slot:
     """One set of column arrays ``[max_records, *shape]`` and its fill count."""
 
-    __slots__ = ("arrays", "targets", "n", "first_time")
+    __slots__ = ("arrays", "plan", "n", "first_time")
 
     def __init__(self, schema: Schema, max_records: int):
         self.arrays = {f.name: np.empty((max_records,) + f.shape, f.dtype) for f in schema}
-        # Per field: row views for shaped fields (``rows[i][...] = v`` is
-        # ~2x faster than ``array[i] = v``), or None to assign ``array[i]``.
-        self.targets = tuple(
-            (list(self.arrays[f.name]) if f.shape else None, self.arrays[f.name])
-            for f in schema
-        )
+        # Per field: (name, dtype, shape, fast scalar types, rows, array).
+        # Shaped fields are written through precomputed row views
+        # (``rows[i][...] = v`` is ~2x faster than ``array[i] = v``); scalar
+        # fields (rows None) by ``array[i] = v``.
+        plan = []
+        for f in schema:
+            arr = self.arrays[f.name]
+            dt, scalars = _fast_types(f)
+            plan.append((f.name, dt, f.shape, scalars, list(arr) if f.shape else None, arr))
+        self.plan = tuple(plan)
         self.n = 0
         self.first_time = 0.0
 
     def columns(self) -> dict[str, np.ndarray]:
         n = self.n
-        if n == len(self.targets[0][1]):
+        if n == len(self.plan[0][5]):
             return dict(self.arrays)
         return {name: arr[:n] for name, arr in self.arrays.items()}
 
@@ -261,6 +229,7 @@ class _State:
         self.send = send
         self.max_records = max_records
         self.max_delay = max_delay
+        self.n_fields = len(schema.names)
         self.current = _Slot(schema, max_records)
         self.spare = _Slot(schema, max_records)
         self.error: BaseException | None = None
@@ -279,7 +248,49 @@ class _State:
 
     # -- adding
 
+    def add(self, record: Mapping[str, Any]) -> None:
+        """Validate and copy one record; send if that fills the slot."""
+        lock = self.lock
+        if type(record) is dict and len(record) == self.n_fields:
+            # Fast path: check and copy each field in one pass under the lock.
+            # A field that needs the full rules abandons the pass; row ``i``
+            # is not committed until ``n`` moves, so the partial copy is moot.
+            ndarray = np.ndarray
+            lock.acquire()
+            try:
+                if self.closed:
+                    raise BufferClosedError("add() on a closed PushBatcher")
+                slot = self.current
+                i = slot.n
+                fast = False
+                for name, dt, shape, scalars, rows, arr in slot.plan:
+                    v = record.get(name, record)  # the record itself marks "missing"
+                    tv = type(v)
+                    if tv is ndarray:
+                        vdt = v.dtype
+                        if (vdt is not dt and vdt != dt) or v.shape != shape:
+                            break
+                    elif tv not in scalars:
+                        break
+                    if rows is None:
+                        arr[i] = v
+                    else:
+                        rows[i][...] = v
+                else:
+                    fast = True
+                if not fast:
+                    lock.release()
+            except BaseException:
+                lock.release()
+                raise
+            if fast:
+                self._commit(slot, i)  # releases the lock
+                return
+        batch = self.schema.coerce_record(record)
+        self.put([batch[name][0] for name in self.schema.names])
+
     def put(self, values: list) -> None:
+        """Copy one validated record (values in field order)."""
         lock = self.lock
         lock.acquire()
         try:
@@ -287,20 +298,30 @@ class _State:
                 raise BufferClosedError("add() on a closed PushBatcher")
             slot = self.current
             i = slot.n
-            for (rows, arr), v in zip(slot.targets, values):
+            for (_, _, _, _, rows, arr), v in zip(slot.plan, values):
                 if rows is None:
                     arr[i] = v
                 else:
                     rows[i][...] = v
-            slot.n = i + 1
-            if i == 0:
-                self._first_pending(slot)
-            if i + 1 < self.max_records:
-                return
         except BaseException:
             lock.release()
             raise
-        self._dispatch()  # releases the lock
+        self._commit(slot, i)
+
+    def _commit(self, slot: _Slot, i: int) -> None:
+        """Count row ``i`` as pending. Called with the lock held; releases it."""
+        try:
+            slot.n = i + 1
+            if i == 0:
+                self._first_pending(slot)
+            full = i + 1 == self.max_records
+        except BaseException:
+            self.lock.release()
+            raise
+        if full:
+            self._dispatch()  # releases the lock
+        else:
+            self.lock.release()
 
     def _first_pending(self, slot: _Slot) -> None:
         if self.max_delay is None:
