@@ -19,6 +19,7 @@ import numpy as np
 
 from .core import Schema, TieredBuffer
 from .errors import FieldMismatchError
+from .sampler import Sampler
 
 # The reference's positional order for push and push_batch of transitions,
 # and the argument names it uses for each field.
@@ -83,6 +84,34 @@ class Buffer:
         Deterministic for the same contents and ``seed``.
         """
         return self._backend.sample(batch_size, seed)
+
+    def flush(self) -> None:
+        """Return once every record pushed before this call is stored.
+
+        For remote buffers with client-side batching, ``push`` only queues
+        records: they are acknowledged when ``flush()`` (or ``close()``)
+        returns, and a failed send raises here. The in-process buffer stores
+        on push, so this does nothing there.
+        """
+        flush = getattr(self._backend, "flush", None)
+        if flush is not None:
+            flush()
+
+    def sampler(
+        self,
+        batch_size: int,
+        prefetch: int = 2,
+        seed: int | None = None,
+        max_batches: int | None = None,
+    ) -> Sampler:
+        """An iterator of ``sample(batch_size)`` batches with ``prefetch`` requests in flight.
+
+        With ``seed``, batch ``i`` equals ``sample(batch_size, seed + i)``.
+        Endless unless ``max_batches`` is given; close it (or use ``with``)
+        when done. See :class:`millpond.sampler.Sampler`.
+        """
+        return Sampler(self.sample, batch_size, prefetch=prefetch, seed=seed,
+                       max_batches=max_batches)
 
     def info(self) -> dict[str, Any]:
         """Sizes, capacities and counters."""

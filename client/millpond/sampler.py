@@ -1,0 +1,202 @@
+"""Sampling with prefetch for learners.
+
+A :class:`Sampler` keeps ``prefetch`` sample requests in flight on worker
+threads (gRPC and numpy release the GIL while they wait or copy), so a
+learner that is slower than the server never waits on a round trip.
+"""
+
+from __future__ import annotations
+
+import numbers
+import threading
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+
+from .core.buffer import check_batch_size, check_seed
+from .errors import InvalidArgumentError
+
+SampleFn = Callable[[int, "int | None"], dict[str, np.ndarray]]
+
+THREAD_NAME = "millpond-sampler"
+
+
+class Sampler:
+    """Iterate over batches ``sample(batch_size, seed)``, ``prefetch`` requests ahead.
+
+    Batches come in request order. With ``seed`` given, request ``i`` (from
+    0) uses seed ``seed + i``: the sequence equals calling
+    ``sample(batch_size, seed + i)`` for i = 0, 1, ... in turn (on the same
+    buffer contents). ``seed=None`` draws fresh batches. ``max_batches=None``
+    never ends; otherwise iteration stops after that many.
+
+    The first requests go out when iteration starts (the first ``next``), so
+    a sampler may be made before the buffer holds enough records. From then
+    on, while the caller works on batch ``k`` the requests ``k+1 ..
+    k+prefetch`` are in flight or done.
+
+    An error from ``sample`` is raised by ``next`` at the position of the
+    failed request (the batches before it are delivered first); the sampler
+    is then closed and further ``next`` calls raise ``StopIteration``.
+
+    :meth:`close` (idempotent; also on leaving a ``with`` block) drops
+    requests not yet started and waits for the ones running. Closing the
+    buffer makes running requests fail promptly, so it never hangs a sampler.
+    A sampler dropped without ``close`` stops its (daemon) threads too.
+    """
+
+    def __init__(
+        self,
+        sample: SampleFn,
+        batch_size: int,
+        prefetch: int = 2,
+        seed: int | None = None,
+        max_batches: int | None = None,
+    ):
+        if not callable(sample):
+            raise InvalidArgumentError("sample must be callable")
+        batch_size = check_batch_size(batch_size)
+        if not isinstance(prefetch, numbers.Integral) or isinstance(prefetch, bool) or prefetch < 1:
+            raise InvalidArgumentError(f"prefetch must be an integer >= 1, got {prefetch!r}")
+        seed = check_seed(seed)
+        if max_batches is not None and (
+            not isinstance(max_batches, numbers.Integral) or isinstance(max_batches, bool)
+            or max_batches < 0
+        ):
+            raise InvalidArgumentError(
+                f"max_batches must be None or an integer >= 0, got {max_batches!r}"
+            )
+        self.batch_size = batch_size
+        self.prefetch = int(prefetch)
+        self.seed = seed
+        self.max_batches = None if max_batches is None else int(max_batches)
+        self._state = _State(sample, batch_size, self.prefetch, seed, self.max_batches)
+        # Dropped without close(): stop the workers (they hold the state only).
+        self._finalizer = weakref.finalize(self, self._state.shut)
+
+    def __iter__(self) -> "Sampler":
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return self._state.next()
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    def close(self) -> None:
+        """Cancel requests not yet started, wait for running ones, join threads."""
+        self._finalizer.detach()
+        self._state.shut()
+        self._state.join()
+
+    def __enter__(self) -> "Sampler":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Sampler(batch_size={self.batch_size}, prefetch={self.prefetch}, seed={self.seed}, "
+            f"max_batches={self.max_batches}, closed={self.closed})"
+        )
+
+
+class _State:
+    """What the consumer and the workers share; workers never hold the Sampler."""
+
+    def __init__(self, sample: SampleFn, batch_size: int, prefetch: int,
+                 seed: int | None, max_batches: int | None):
+        self.sample = sample
+        self.batch_size = batch_size
+        self.prefetch = prefetch
+        self.seed = seed
+        self.max_batches = max_batches
+        self.cond = threading.Condition(threading.Lock())
+        self.issued = 0      # requests handed to workers
+        self.delivered = 0   # batches returned by next()
+        self.failed = False  # a request failed: issue no more
+        self.closed = False
+        self.results: dict[int, tuple[bool, Any]] = {}
+        self.threads: list[threading.Thread] = []
+
+    def _start(self) -> None:
+        # Called with the lock held, on the first next().
+        for k in range(self.prefetch):
+            thread = threading.Thread(target=_work, args=(self,), name=THREAD_NAME, daemon=True)
+            self.threads.append(thread)
+            thread.start()
+
+    def _may_issue(self) -> bool:
+        return (
+            not self.closed and not self.failed
+            and self.issued < self.delivered + self.prefetch
+            and (self.max_batches is None or self.issued < self.max_batches)
+        )
+
+    def next(self) -> dict[str, np.ndarray]:
+        with self.cond:
+            if self.closed or (
+                self.max_batches is not None and self.delivered >= self.max_batches
+            ):
+                self._shut_locked()
+                raise StopIteration
+            if not self.threads:
+                self._start()
+            i = self.delivered
+            while i not in self.results:
+                if self.closed:
+                    raise StopIteration
+                self.cond.wait()
+            ok, value = self.results.pop(i)
+            self.delivered = i + 1
+            if not ok:
+                self._shut_locked()
+                raise value
+            if self.max_batches is not None and self.delivered >= self.max_batches:
+                self._shut_locked()
+            else:
+                self.cond.notify_all()  # a window slot is free
+            return value
+
+    def shut(self) -> None:
+        with self.cond:
+            self._shut_locked()
+
+    def _shut_locked(self) -> None:
+        self.closed = True
+        self.results.clear()
+        self.cond.notify_all()
+
+    def join(self) -> None:
+        me = threading.current_thread()
+        for thread in self.threads:
+            if thread is not me:
+                thread.join()
+
+
+def _work(state: _State) -> None:
+    cond = state.cond
+    while True:
+        with cond:
+            while not state._may_issue():
+                if state.closed or state.failed or (
+                    state.max_batches is not None and state.issued >= state.max_batches
+                ):
+                    return
+                cond.wait()
+            i = state.issued
+            state.issued = i + 1
+        try:
+            seed = None if state.seed is None else state.seed + i
+            result = (True, state.sample(state.batch_size, seed))
+        except BaseException as exc:  # delivered to the consumer at position i
+            result = (False, exc)
+        with cond:
+            if not result[0]:
+                state.failed = True
+            if not state.closed:
+                state.results[i] = result
+            cond.notify_all()
