@@ -7,6 +7,7 @@ sink. No fixed sleeps: waits poll a condition against a deadline.
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -444,3 +445,46 @@ def test_atexit_flushes_live_batchers(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "added 2"
     assert out.read_text().split("\n")[:2] == ["0 1 2 3", "4 5"]
+
+
+def test_finalizer_run_in_a_thread_holding_the_lock_still_stops_the_thread(sink):
+    # Garbage collection may run the finalizer inside the batcher's own
+    # thread while it holds the lock; the stop must not be lost or deadlock.
+    from millpond.batching import _stop_from_finalizer
+
+    b = PushBatcher(SCHEMA, sink, max_records=10, max_delay=60)
+    b.add(rec(0))
+    state = b._state
+    thread = state.thread
+    with state.lock:
+        _stop_from_finalizer(state)
+    assert wait_until(lambda: not thread.is_alive())
+    assert sink.ids() == [0]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_fork_child_starts_empty_and_works(tmp_path):
+    out = tmp_path / "sent.txt"
+
+    def send(columns):
+        with open(out, "a") as f:
+            f.write(f"{os.getpid()} {' '.join(map(str, columns['id'].tolist()))}\n")
+
+    b = PushBatcher(SCHEMA, send, max_records=10, max_delay=60)
+    b.add(rec(1))
+    b.add(rec(2))
+    pid = os.fork()
+    if pid == 0:  # child: the parent's pending records are the parent's to send
+        code = 1
+        try:
+            if b.pending == 0:
+                b.add(rec(3))
+                b.flush()
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    b.close()
+    lines = sorted(out.read_text().splitlines())
+    assert sorted(lines) == sorted([f"{pid} 3", f"{os.getpid()} 1 2"])

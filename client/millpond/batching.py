@@ -100,7 +100,7 @@ class PushBatcher:
         self._state = _State(schema, send, self.max_records, max_delay)
         # Dropped without close(): wake the thread, which sends what is
         # pending and exits. The finalizer holds the state, not the batcher.
-        self._finalizer = weakref.finalize(self, self._state.stop)
+        self._finalizer = weakref.finalize(self, _stop_from_finalizer, self._state)
 
     # ---- the hot path ------------------------------------------------------------
 
@@ -240,8 +240,7 @@ class _State:
         _live.add(self)
 
     def _init_locks(self) -> None:
-        # Reentrant: a garbage-collection finalizer may run stop() in a thread
-        # that already holds the lock.
+        # Reentrant, so a finalizer can tell whether its thread holds it.
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.send_lock = threading.Lock()
@@ -403,6 +402,20 @@ class _State:
         self.current.n = self.spare.n = 0
         self.thread = None
         self.error = None
+
+
+def _stop_from_finalizer(state: _State) -> None:
+    """Stop the thread of a collected batcher.
+
+    Garbage collection may run this in the batcher's own thread while it
+    holds the lock inside ``Condition.wait`` before registering as a waiter;
+    a notify then would be lost. Notify from a new thread in that case: it
+    gets the lock once the waiter is registered.
+    """
+    if state.lock._is_owned():
+        threading.Thread(target=state.stop, name="millpond-push-batcher-stop", daemon=True).start()
+    else:
+        state.stop()
 
 
 def _age_loop(state: _State) -> None:

@@ -73,7 +73,7 @@ class Sampler:
         self.max_batches = None if max_batches is None else int(max_batches)
         self._state = _State(sample, batch_size, self.prefetch, seed, self.max_batches)
         # Dropped without close(): stop the workers (they hold the state only).
-        self._finalizer = weakref.finalize(self, self._state.shut)
+        self._finalizer = weakref.finalize(self, _shut_from_finalizer, self._state)
 
     def __iter__(self) -> "Sampler":
         return self
@@ -114,7 +114,9 @@ class _State:
         self.prefetch = prefetch
         self.seed = seed
         self.max_batches = max_batches
-        self.cond = threading.Condition(threading.Lock())
+        # Reentrant, so a finalizer can tell whether its thread holds it.
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
         self.issued = 0      # requests handed to workers
         self.delivered = 0   # batches returned by next()
         self.failed = False  # a request failed: issue no more
@@ -175,6 +177,19 @@ class _State:
         for thread in self.threads:
             if thread is not me:
                 thread.join()
+
+
+def _shut_from_finalizer(state: _State) -> None:
+    """Stop the workers of a collected sampler.
+
+    Garbage collection may run this in a worker while it holds the lock
+    inside ``Condition.wait`` before registering as a waiter; a notify then
+    would be lost. Notify from a new thread in that case.
+    """
+    if state.lock._is_owned():
+        threading.Thread(target=state.shut, name="millpond-sampler-stop", daemon=True).start()
+    else:
+        state.shut()
 
 
 def _work(state: _State) -> None:
