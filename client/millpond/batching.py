@@ -64,7 +64,8 @@ class PushBatcher:
       filled the batch, which raises the send's error);
     * when the oldest pending record is ``max_delay`` seconds old, from a
       background thread (``max_delay=None`` turns this off). Its error is
-      kept and raised by the next :meth:`add` or :meth:`flush`;
+      kept and raised by the next :meth:`add`, :meth:`flush` or
+      :meth:`close` (if several fail in between, the first is raised);
     * on :meth:`flush`, :meth:`close`, garbage collection of the batcher and
       interpreter exit (errors there are printed to stderr: nobody is left
       to catch them).
@@ -336,12 +337,15 @@ class _State:
 
     # -- sending
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, keep_error: bool = False) -> None:
         """Send the current slot. Called with the lock held; returns with it released.
 
         Taking ``send_lock`` before releasing ``lock`` orders sends as the
         batches were cut, and waits for the spare slot's send to finish
-        before ``add`` may write into it.
+        before ``add`` may write into it. With ``keep_error`` (background
+        sends) a send error is kept for the next add/flush, before
+        ``send_lock`` is released, so a flush that waited for this send sees it.
+        If one is kept already, the later one is dropped: the first is raised.
         """
         try:
             self.send_lock.acquire()
@@ -354,6 +358,11 @@ class _State:
         try:
             if slot.n:
                 self.send(slot.columns())
+        except BaseException as exc:
+            if not keep_error:
+                raise
+            if self.error is None:
+                self.error = exc
         finally:
             slot.n = 0
             self.send_lock.release()
@@ -361,11 +370,6 @@ class _State:
     def flush(self) -> None:
         self.lock.acquire()
         self._dispatch()
-
-    def keep_error(self, exc: BaseException) -> None:
-        with self.lock:
-            if self.error is None:
-                self.error = exc
 
     def raise_kept_error(self) -> None:
         with self.lock:
@@ -431,13 +435,12 @@ def _age_loop(state: _State) -> None:
                 if wait > 0 and not state.stopping:
                     cond.wait(wait)
                     continue
+                # Errors are kept for the next add/flush; once stopping (the
+                # batcher was collected) nobody is left to raise them to.
                 try:
-                    state._dispatch()  # releases the lock
-                except BaseException as exc:  # kept, raised by the next add/flush
-                    if state.stopping:
-                        _report(exc)
-                    else:
-                        state.keep_error(exc)
+                    state._dispatch(keep_error=not state.stopping)  # releases the lock
+                except BaseException as exc:
+                    _report(exc)
                 finally:
                     cond.acquire()
             elif state.stopping:
