@@ -233,7 +233,8 @@ def test_order_preserved_and_sends_never_overlap_across_threads(sink):
         t.join(DEADLINE)
     b.close()
     ids = sink.ids()
-    assert sorted(ids) == sorted(t * 1_000_000 + k for t in range(n_threads) for k in range(per_thread))
+    every = [t * 1_000_000 + k for t in range(n_threads) for k in range(per_thread)]
+    assert sorted(ids) == sorted(every)
     for t in range(n_threads):  # each actor's records arrive in the order it added them
         mine = [i for i in ids if i // 1_000_000 == t]
         assert mine == sorted(mine)

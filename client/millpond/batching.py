@@ -87,7 +87,9 @@ class PushBatcher:
             raise InvalidArgumentError("send must be callable")
         if (not isinstance(max_records, numbers.Integral) or isinstance(max_records, bool)
                 or max_records <= 0):
-            raise InvalidArgumentError(f"max_records must be a positive integer, got {max_records!r}")
+            raise InvalidArgumentError(
+                f"max_records must be a positive integer, got {max_records!r}"
+            )
         if max_delay is not None:
             if (not isinstance(max_delay, numbers.Real) or isinstance(max_delay, bool)
                     or not 0 <= max_delay < float("inf")):
