@@ -116,7 +116,8 @@ class _State:
         self.max_batches = max_batches
         # Reentrant, so a finalizer can tell whether its thread holds it.
         self.lock = threading.RLock()
-        self.cond = threading.Condition(self.lock)
+        self.ready = threading.Condition(self.lock)  # consumer: a result arrived
+        self.room = threading.Condition(self.lock)   # workers: a request may be issued
         self.issued = 0      # requests handed to workers
         self.delivered = 0   # batches returned by next()
         self.failed = False  # a request failed: issue no more
@@ -139,7 +140,7 @@ class _State:
         )
 
     def next(self) -> dict[str, np.ndarray]:
-        with self.cond:
+        with self.lock:
             if self.closed or (
                 self.max_batches is not None and self.delivered >= self.max_batches
             ):
@@ -151,7 +152,7 @@ class _State:
             while i not in self.results:
                 if self.closed:
                     raise StopIteration
-                self.cond.wait()
+                self.ready.wait()
             ok, value = self.results.pop(i)
             self.delivered = i + 1
             if not ok:
@@ -160,17 +161,18 @@ class _State:
             if self.max_batches is not None and self.delivered >= self.max_batches:
                 self._shut_locked()
             else:
-                self.cond.notify_all()  # a window slot is free
+                self.room.notify()  # one more request may go out
             return value
 
     def shut(self) -> None:
-        with self.cond:
+        with self.lock:
             self._shut_locked()
 
     def _shut_locked(self) -> None:
         self.closed = True
         self.results.clear()
-        self.cond.notify_all()
+        self.ready.notify_all()
+        self.room.notify_all()
 
     def join(self) -> None:
         me = threading.current_thread()
@@ -193,15 +195,15 @@ def _shut_from_finalizer(state: _State) -> None:
 
 
 def _work(state: _State) -> None:
-    cond = state.cond
+    lock, room, ready = state.lock, state.room, state.ready
     while True:
-        with cond:
+        with lock:
             while not state._may_issue():
                 if state.closed or state.failed or (
                     state.max_batches is not None and state.issued >= state.max_batches
                 ):
                     return
-                cond.wait()
+                room.wait()
             i = state.issued
             state.issued = i + 1
         try:
@@ -209,9 +211,10 @@ def _work(state: _State) -> None:
             result = (True, state.sample(state.batch_size, seed))
         except BaseException as exc:  # delivered to the consumer at position i
             result = (False, exc)
-        with cond:
+        with lock:
             if not result[0]:
                 state.failed = True
+                room.notify_all()  # idle workers: issue no more, exit
             if not state.closed:
                 state.results[i] = result
-            cond.notify_all()
+            ready.notify_all()
