@@ -5,13 +5,15 @@ from __future__ import annotations
 import multiprocessing as mp
 import pickle
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 
 import millpond
-from support import ServerProcess
+from support import ServerProcess, wait_until
 from test_contract import transitions
 
 
@@ -149,3 +151,53 @@ def test_local_buffers_refuse_to_pickle(tmp_path):
     buf = millpond.ReplayBuffer(4, 2, 1)
     with pytest.raises(TypeError, match="address="):
         pickle.dumps(buf)
+
+
+def test_single_pushes_are_batched_and_flushed(shared_server):
+    actor = millpond.connect(shared_server.address, push_batch_size=100, push_max_delay=None)
+    buf = actor.create_buffer("client-batched", capacity=1000, obs_dim=2, act_dim=1)
+    observer = millpond.connect(shared_server.address).buffer("client-batched")
+    for i in range(150):
+        buf.push([i, i], [0.0], float(i), False, False, [i, i])
+    assert len(observer) == 100  # one full batch went out; 50 records wait
+    buf.flush()
+    assert len(observer) == 150
+    assert observer.info()["pushed"] == 150
+    rewards = observer.sample(150, seed=0)["rewards"]
+    assert set(rewards.tolist()) <= set(map(float, range(150)))
+
+
+def test_queued_pushes_go_out_by_age(shared_server):
+    actor = millpond.connect(shared_server.address, push_batch_size=1000, push_max_delay=0.05)
+    buf = actor.create_buffer("client-aged", capacity=1000, obs_dim=2, act_dim=1)
+    observer = millpond.connect(shared_server.address).buffer("client-aged")
+    buf.push([1, 1], [0.0], 1.0, False, False, [1, 1])
+    wait_until(lambda: len(observer) == 1, timeout=10)  # sent by age, no flush needed
+
+
+ACTOR_EXITS_WITHOUT_FLUSH = """
+import millpond
+buf = millpond.connect({address!r}, push_max_delay=None).buffer("client-exit")
+for i in range(7):
+    buf.push([i, i], [0.0], float(i), False, False, [i, i])
+"""
+
+
+def test_queued_pushes_are_flushed_at_interpreter_exit(shared_server):
+    buf = millpond.connect(shared_server.address).create_buffer("client-exit", capacity=100,
+                                                                 obs_dim=2, act_dim=1)
+    done = subprocess.run([sys.executable, "-c", ACTOR_EXITS_WITHOUT_FLUSH.format(
+        address=shared_server.address)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert len(buf) == 7
+
+
+def test_prefetching_sampler_over_the_server(shared_server):
+    buf = millpond.connect(shared_server.address).create_buffer("client-sampler", capacity=100,
+                                                                 obs_dim=2, act_dim=1)
+    buf.push_batch(**transitions(0, 100))
+    with buf.sampler(32, prefetch=3, seed=10, max_batches=5) as batches:
+        got = [b["rewards"] for b in batches]
+    assert len(got) == 5
+    for i, rewards in enumerate(got):
+        np.testing.assert_array_equal(rewards, buf.sample(32, seed=10 + i)["rewards"])

@@ -37,6 +37,8 @@ from .wire.codec import decode_config, encode_config
 
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_MESSAGE_MB = 512
+DEFAULT_PUSH_BATCH_SIZE = 256
+DEFAULT_PUSH_MAX_DELAY = 0.05
 KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
 
@@ -47,6 +49,8 @@ def connect(
     timeout: float = DEFAULT_TIMEOUT,
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
     shm: bool | str = "auto",
+    push_batch_size: int = DEFAULT_PUSH_BATCH_SIZE,
+    push_max_delay: float | None = DEFAULT_PUSH_MAX_DELAY,
 ) -> "Client":
     """A client for the server at ``address`` ("host:port"). Connects lazily.
 
@@ -54,20 +58,32 @@ def connect(
     server is on this host and admits this user, else silently over gRPC;
     True requires the fast path (raises if it cannot be had); False never
     uses it. ``client.transport`` says which one is in use.
+
+    ``push_batch_size`` / ``push_max_delay``: single-record ``push`` calls are
+    sent in batches of this many records, or once the oldest waited this many
+    seconds (None: only by count and ``flush()``); 1 sends every push at once.
+    Queued records are acknowledged only when flushed.
     """
-    return Client(address, timeout=timeout, max_message_mb=max_message_mb, shm=shm)
+    return Client(address, timeout=timeout, max_message_mb=max_message_mb, shm=shm,
+                  push_batch_size=push_batch_size, push_max_delay=push_max_delay)
 
 
 class Client:
     """A connection to one millpond server."""
 
     def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT,
-                 max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, shm: bool | str = "auto"):
+                 max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, shm: bool | str = "auto",
+                 push_batch_size: int = DEFAULT_PUSH_BATCH_SIZE,
+                 push_max_delay: float | None = DEFAULT_PUSH_MAX_DELAY):
         if not isinstance(address, str) or not address:
             raise InvalidConfigError(f"address must be 'host:port', got {address!r}")
         if shm not in (True, False, "auto"):
             raise InvalidConfigError(f"shm must be True, False or 'auto', got {shm!r}")
+        if not isinstance(push_batch_size, int) or push_batch_size < 1:
+            raise InvalidConfigError(f"push_batch_size must be >= 1, got {push_batch_size!r}")
         self.shm = shm
+        self.push_batch_size = push_batch_size
+        self.push_max_delay = push_max_delay
         if not timeout > 0:
             raise InvalidConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.address = address
@@ -78,10 +94,10 @@ class Client:
         self._pid = -1
 
     def __reduce__(self):
-        return (
-            _rebuild_client,
-            (self.address, self.timeout, self.max_message_bytes // (1024 * 1024), self.shm),
-        )
+        settings = dict(timeout=self.timeout, max_message_mb=self.max_message_bytes >> 20,
+                        shm=self.shm, push_batch_size=self.push_batch_size,
+                        push_max_delay=self.push_max_delay)
+        return (_rebuild_client, (self.address, settings))
 
     @property
     def stub(self) -> pb_grpc.ReplayStub:
@@ -263,6 +279,5 @@ def _capacities(capacity: Any, hot_capacity: Any, total_capacity: Any) -> tuple[
     return hot_capacity, total_capacity
 
 
-def _rebuild_client(address: str, timeout: float, max_message_mb: int,
-                    shm: bool | str = "auto") -> Client:
-    return Client(address, timeout=timeout, max_message_mb=max_message_mb, shm=shm)
+def _rebuild_client(address: str, settings: dict[str, Any]) -> Client:
+    return Client(address, **settings)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 import grpc
 import numpy as np
 
+from .batching import PushBatcher
 from .core.buffer import check_batch_size, check_seed
 from .core.schema import Schema
 from .errors import (
@@ -26,7 +27,6 @@ from .errors import (
 )
 from .shm.session import ResultPoolExhausted
 from .v1 import replay_pb2 as pb
-from .wire.codec import encode_batch
 from .wire.frames import (
     PUSH_BATCH_FIELD,
     SAMPLE_BATCH_FIELD,
@@ -76,7 +76,14 @@ def info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
 
 
 class RemoteBuffer:
-    """A handle on the server buffer ``name``. Picklable; safe after fork."""
+    """A handle on the server buffer ``name``. Picklable; safe after fork.
+
+    Single-record ``push`` calls are batched on the client (see
+    :class:`~millpond.batching.PushBatcher`; ``connect(push_batch_size=,
+    push_max_delay=)``): **a pushed record is acknowledged only when flushed**
+    (by count, by age, by ``flush()``, ``close()`` or interpreter exit).
+    Every other call on this handle flushes first, so it sees its own pushes.
+    """
 
     def __init__(self, client: "Client", name: str, schema: Schema, hot_capacity: int,
                  total_capacity: int):
@@ -86,8 +93,9 @@ class RemoteBuffer:
         self.hot_capacity = hot_capacity
         self.total_capacity = total_capacity
         self._closed = False
+        self._batcher: PushBatcher | None = None
 
-    def __reduce__(self):
+    def __reduce__(self):  # pending records stay with this handle, never in a pickle
         return (
             RemoteBuffer,
             (self._client, self.name, self.schema, self.hot_capacity, self.total_capacity),
@@ -103,46 +111,65 @@ class RemoteBuffer:
     @translate_rpc_errors
     def info(self) -> dict[str, Any]:
         self._check_open()
+        self.flush()
         reply = self._client.stub.Info(pb.InfoRequest(name=self.name), timeout=self._client.timeout)
         return info_to_dict(reply)
 
-    @translate_rpc_errors
     def push(self, record: Mapping[str, Any]) -> None:
-        """Send one record (validated locally first)."""
+        """Queue one record for the next batch (validated now); see the class docstring."""
         self._check_open()
-        batch = self.schema.coerce_record(record)
-        message = encode_batch({name: column[0] for name, column in batch.items()})
-        self._client.stub.Push(
-            pb.PushRequest(name=self.name, record=message), timeout=self._client.timeout
-        )
+        limit = self._client.push_batch_size
+        if limit <= 1:
+            self._store(*self.schema.coerce_batch(self.schema.coerce_record(record)))
+            return
+        if self._batcher is None:
+            fits = max(1, (self._client.max_message_bytes - _FRAMING_BYTES) // self.schema.record_nbytes)
+            self._batcher = PushBatcher(self.schema, self._send_batch, min(limit, fits),
+                                        self._client.push_max_delay)
+        self._batcher.add(record)
 
-    @translate_rpc_errors
+    def flush(self) -> None:
+        """Return once every record queued by ``push`` is stored."""
+        if self._batcher is not None:
+            self._batcher.flush()
+
     def push_batch(self, columns: Mapping[str, Any]) -> int:
-        """Send a batch (validated locally first); returns its length.
+        """Store a batch (validated locally first, after queued pushes); returns its length.
 
-        A batch larger than the message limit is refused before sending
-        (:class:`MessageTooLargeError`); split it, nothing was stored.
+        Over gRPC a batch larger than the message limit is refused before
+        sending (:class:`MessageTooLargeError`); split it, nothing was stored.
         """
         self._check_open()
         n, batch = self.schema.coerce_batch(columns)
+        self.flush()
+        self._store(n, batch)
+        return n
+
+    def _send_batch(self, columns: dict[str, np.ndarray]) -> None:
+        """The batcher's send: columns are views it reuses, so they are copied here."""
+        self._store(len(next(iter(columns.values()))), columns)
+
+    @translate_rpc_errors
+    def _store(self, n: int, batch: dict[str, np.ndarray]) -> None:
+        """Send validated columns: through shared memory if we can, else gRPC."""
         connection = self._client.connection
         session = connection.fast_path()
         if session is not None:
             try:
                 session.push_batch(self.name, self.schema, n, batch, self._client.timeout)
-                return n
+                return
             except SharedMemoryError as exc:
                 log.warning("shared memory refused a push (%s); sending it over gRPC", exc)
         self._check_message_size(n, "push_batch of")
         request = encode_with_batch(PUSH_BATCH_FIELD, batch, self.name)
         connection.push_batch(request, timeout=self._client.timeout)
-        return n
 
     @translate_rpc_errors
     def sample(self, batch_size: int, seed: int | None = None) -> dict[str, np.ndarray]:
         """Sample on the server; returns writable arrays like the in-process buffer."""
         self._check_open()
         batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+        self.flush()
         connection = self._client.connection
         session = connection.fast_path()
         if session is not None:
@@ -162,9 +189,11 @@ class RemoteBuffer:
 
     @translate_rpc_errors
     def close(self) -> None:
-        """Close and delete the buffer on the server. Idempotent."""
+        """Flush queued pushes, then close and delete the buffer on the server. Idempotent."""
         if self._closed:
             return
+        if self._batcher is not None:
+            self._batcher.close()
         try:
             self._client.stub.Close(pb.CloseRequest(name=self.name), timeout=self._client.timeout)
         except grpc.RpcError as exc:
