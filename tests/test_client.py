@@ -113,8 +113,12 @@ def test_dead_server_is_detected_in_seconds(tmp_path):
 
 
 def _push_from_child(handle, start, queue):
-    handle.push_batch(**transitions(start, 5))
-    queue.put(len(handle))
+    try:
+        handle.push_batch(**transitions(start, 5))
+        queue.put(("ok", len(handle)))
+    except BaseException as exc:  # report to the parent instead of a bare exit code
+        queue.put(("error", repr(exc)))
+        raise
 
 
 @pytest.mark.parametrize("method", ["spawn", "fork"])
@@ -128,11 +132,13 @@ def test_handles_work_in_actor_processes(shared_server, method):
     actors = [ctx.Process(target=_push_from_child, args=(buf, 5 * (i + 1), queue)) for i in range(2)]
     for actor in actors:
         actor.start()
+    reports = [queue.get(timeout=60) for _ in actors]
     for actor in actors:
         actor.join(60)
-        assert actor.exitcode == 0
+    assert all(status == "ok" for status, _ in reports), reports
+    assert [actor.exitcode for actor in actors] == [0, 0]
     assert len(buf) == 15
-    assert sorted(queue.get(timeout=10) for _ in actors)[-1] == 15
+    assert max(size for _, size in reports) == 15
     buf.close()
 
 
