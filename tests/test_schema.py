@@ -373,5 +373,5 @@ def test_schema_spec_round_trips():
     schema = millpond.Schema.from_spec(ATARI)
     assert millpond.Schema.from_spec(schema.spec()) == schema
     assert schema.names == ("obs", "action", "reward")
-    assert not schema.is_transition()
-    assert millpond.Schema.transition(4, 1).is_transition()
+    assert not schema.is_transition
+    assert millpond.Schema.transition(4, 1).is_transition

@@ -141,13 +141,14 @@ class Buffer:
     def _bind(self, order: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
         """Map the reference's positional/keyword arguments to field names."""
         schema = self._backend.schema
-        if not schema.is_transition():
+        transition = schema.is_transition
+        if not transition:
             order = schema.names
         if len(args) > len(order):
             raise FieldMismatchError(f"expected at most {len(order)} positional arguments")
         bound = dict(zip(order, args))
         for key, value in kwargs.items():
-            name = _ALIASES.get(key, key) if schema.is_transition() else key
+            name = _ALIASES.get(key, key) if transition else key
             if name in bound:
                 raise FieldMismatchError(f"field {name!r} given twice")
             bound[name] = value

@@ -157,6 +157,7 @@ class Schema:
         parts = ", ".join(f"{f.name}: {f.dtype.name}{list(f.shape)}" for f in self.fields)
         return f"Schema({parts})"
 
+    @functools.cached_property
     def is_transition(self) -> bool:
         """True for the reference transition schema built from obs/act dims."""
         if self.names != TRANSITION_NAMES:
