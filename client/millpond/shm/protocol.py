@@ -94,12 +94,19 @@ def recv(sock: socket.socket, spin: float = 0.0) -> tuple[dict[str, Any] | None,
     space = socket.CMSG_SPACE(MAX_FDS * 4)
     received = None
     if spin > 0:
-        deadline = time.perf_counter() + spin
-        while received is None and time.perf_counter() < deadline:
-            try:
-                received = sock.recvmsg(MAX_MESSAGE, space, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                pass
+        # A socket with a timeout polls before every recv, even with
+        # MSG_DONTWAIT: switch it to non-blocking for the spin.
+        timeout = sock.gettimeout()
+        sock.setblocking(False)
+        try:
+            deadline = time.perf_counter() + spin
+            while received is None and time.perf_counter() < deadline:
+                try:
+                    received = sock.recvmsg(MAX_MESSAGE, space)
+                except BlockingIOError:
+                    pass
+        finally:
+            sock.settimeout(timeout)
     data, ancillary, flags, _ = received or sock.recvmsg(MAX_MESSAGE, space)
     fds = _fds(ancillary)
     if not data and not fds:
