@@ -147,7 +147,7 @@ class BufferMachine(RuleBasedStateMachine):
         out = {}
         for seq in self.live:
             is_hot = seq >= hot_lo
-            tier = self.engine._hot if is_hot else self.engine._cold_file.tier
+            tier = self.engine._hot if is_hot else self.engine._cold
             slot = seq % tier.capacity
             row = tuple(np.asarray(tier.columns[name][slot]).tolist() for name in FIELDS)
             out[seq] = (is_hot, int(tier.seq[slot]), row)

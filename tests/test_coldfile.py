@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import millpond
-from millpond.core.coldfile import FORMAT_VERSION, MAGIC, ColdFile
+from millpond.core.bufferfile import FORMAT_VERSION, MAGIC, BufferFile as ColdFile
 
 PAGE = mmap.PAGESIZE
 FIELDS = {"id": ("float64", ()), "frame": ("uint8", (5, 7)), "a": ("int32", (3,))}
@@ -43,12 +43,11 @@ def buf(tmp_path):
 
 def test_header_is_self_describing(buf, tmp_path):
     path = tmp_path / "cold.bin"
-    raw = path.read_bytes()[:24]
-    magic, version, header_size, pushed = struct.unpack("<8sIIQ", raw)
+    raw = path.read_bytes()[:16]
+    magic, version, header_size = struct.unpack("<8sII", raw)
     assert magic == MAGIC == b"MILLPOND"
     assert version == FORMAT_VERSION
     assert header_size % PAGE == 0 and header_size >= PAGE
-    assert pushed == 0
 
     meta, pushed = read_header(path)
     assert pushed == 0

@@ -26,12 +26,13 @@ import numpy as np
 
 from ..errors import (
     BufferClosedError,
+    CorruptFileError,
     InvalidArgumentError,
     InvalidBatchSizeError,
     InvalidConfigError,
     NotEnoughDataError,
 )
-from .coldfile import ColdFile
+from .bufferfile import BufferFile
 from .schema import Schema
 from .tier import Tier
 
@@ -49,11 +50,18 @@ def check_capacities(hot_capacity: Any, total_capacity: Any) -> tuple[int, int]:
 
 
 class TieredBuffer:
-    """Hot RAM ring + cold mapped-file ring behind one FIFO.
+    """Hot ring + cold mapped-file ring behind one FIFO.
 
-    ``total_capacity == hot_capacity`` means RAM only: no cold file is made and
-    the record leaving the hot ring is evicted. With ``cold_path=None`` and a
-    cold tier, the file goes to the system temp directory.
+    ``total_capacity == hot_capacity`` means no cold tier: the record leaving
+    the hot ring is evicted. With ``cold_path=None`` and a cold tier, the file
+    goes to the system temp directory.
+
+    By default the hot ring lives in RAM and ``close()`` (or dropping the
+    buffer) deletes the file, like the reference. A *persistent* buffer keeps
+    its hot ring in the file too, so every acknowledged push survives a crash
+    of the process; ``release()`` unmaps it and keeps the file, and
+    :meth:`open` brings it back. ``sync_every_push`` makes each push wait for
+    its pages to reach the disk (msync) before it returns.
     """
 
     def __init__(
@@ -62,8 +70,40 @@ class TieredBuffer:
         hot_capacity: int,
         total_capacity: int,
         cold_path: str | os.PathLike | None = None,
+        *,
+        persistent: bool = False,
+        sync_every_push: bool = False,
     ):
         hot, total = check_capacities(hot_capacity, total_capacity)
+        file = None
+        if persistent or total > hot:
+            if cold_path is None and persistent:
+                raise InvalidConfigError("a persistent buffer needs a file path")
+            path = os.fspath(cold_path) if cold_path is not None else _temp_cold_path()
+            file = BufferFile.create(path, schema, hot, total, persistent=persistent)
+        self._setup(schema, hot, total, file, sync_every_push)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, sync_every_push: bool = False) -> "TieredBuffer":
+        """Reopen a persistent buffer's file with its records, counters and configuration.
+
+        Raises CorruptFileError for a file that is not a sound persistent
+        millpond buffer file.
+        """
+        file = BufferFile.open(os.fspath(path))
+        if not file.meta["persistent"]:
+            file.close(delete=False)
+            raise CorruptFileError(
+                f"{path} belonged to a non-persistent buffer: its hot records were never in it"
+            )
+        buffer = cls.__new__(cls)
+        buffer._setup(file.schema, file.meta["hot_capacity"], file.meta["total_capacity"],
+                      file, sync_every_push)
+        buffer._pushed = file.pushed
+        return buffer
+
+    def _setup(self, schema: Schema, hot: int, total: int, file: BufferFile | None,
+               sync_every_push: bool) -> None:
         self.schema = schema
         self.hot_capacity = hot
         self.total_capacity = total
@@ -71,14 +111,17 @@ class TieredBuffer:
         self._pushed = 0
         self._closed = False
         self._rng = np.random.default_rng()
-        self._cold_file: ColdFile | None = None
-        if total > hot:
-            path = os.fspath(cold_path) if cold_path is not None else _temp_cold_path()
-            self._cold_file = ColdFile.create(path, schema, hot, total)
+        self._file = file
+        self._sync_every_push = sync_every_push
+        persistent = file is not None and file.hot_tier is not None
+        self.persistent = persistent
+        self._hot = file.hot_tier if persistent else Tier.in_memory(schema, hot)
+        self._cold = file.tier if file is not None else None
+        if file is not None:
             # Like the reference's Drop: a buffer dropped (or alive at exit)
-            # without close() still unmaps and deletes its cold file.
-            weakref.finalize(self, self._cold_file.close, True)
-        self._hot = Tier.in_memory(schema, hot)
+            # without close() still unmaps its file, and deletes it unless
+            # the buffer is persistent.
+            weakref.finalize(self, file.close, not persistent)
 
     # ---- sizes --------------------------------------------------------------
 
@@ -88,7 +131,8 @@ class TieredBuffer:
 
     @property
     def cold_path(self) -> str | None:
-        return self._cold_file.path if self._cold_file else None
+        """The buffer's file (cold tier, and hot tier when persistent), if any."""
+        return self._file.path if self._file else None
 
     @property
     def pushed(self) -> int:
@@ -155,8 +199,8 @@ class TieredBuffer:
     def _append(self, n: int, batch: Mapping[str, np.ndarray]) -> None:
         first, new_pushed = self._pushed, self._pushed + n
         hot, total = self.hot_capacity, self.total_capacity
-        if self._cold_file is not None:
-            cold = self._cold_file.tier
+        if self._cold is not None:
+            cold = self._cold
             live_lo, cold_hi = max(0, new_pushed - total), max(0, new_pushed - hot)
             # Spill first: hot records pushed out by this batch move to cold
             # before their slots are overwritten. Records older than the new
@@ -170,8 +214,10 @@ class TieredBuffer:
                 cold.write(direct_lo, cold_hi, batch, first)
         self._hot.write(max(first, new_pushed - hot), new_pushed, batch, first)
         self._pushed = new_pushed
-        if self._cold_file is not None:
-            self._cold_file.set_pushed(new_pushed)
+        if self._file is not None:
+            self._file.commit(new_pushed)  # the commit point: after every record
+            if self._sync_every_push:
+                self._file.sync()
 
     # ---- reads ----------------------------------------------------------------
 
@@ -206,21 +252,34 @@ class TieredBuffer:
             if out is None:
                 out = {f.name: np.empty((batch_size,) + f.shape, f.dtype) for f in self.schema}
             if len(cold_seqs):
-                self._cold_file.tier.gather(cold_seqs, out, 0)
+                self._cold.gather(cold_seqs, out, 0)
             self._hot.gather(hot_seqs, out, len(cold_seqs))
         return dict(out)
 
     # ---- lifecycle ------------------------------------------------------------
 
     def close(self) -> None:
-        """Release memory, unmap and delete the cold file. Idempotent."""
+        """Release memory, unmap and delete the buffer's file. Idempotent."""
+        self._shut(delete=True)
+
+    def release(self) -> None:
+        """Unmap and keep the file (a persistent buffer can be reopened). Idempotent."""
+        self._shut(delete=False)
+
+    def sync(self) -> None:
+        """Write the file's dirty pages to disk and wait (msync)."""
+        with self._lock:
+            if self._file is not None and not self._closed:
+                self._file.sync()
+
+    def _shut(self, delete: bool) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._hot.release()
-            if self._cold_file is not None:
-                self._cold_file.close(delete=True)
+            if self._file is not None:
+                self._file.close(delete=delete)
 
     def _check_open(self) -> None:
         if self._closed:

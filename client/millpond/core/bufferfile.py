@@ -1,0 +1,268 @@
+"""The buffer file: a self-describing, preallocated, memory-mapped home for the tiers.
+
+It always holds the cold ring. A *persistent* buffer keeps its hot ring in the
+file too, so that everything it acknowledged survives a crash of the process:
+the mapping's pages live in the page cache, not in the process.
+
+Layout (all integers little-endian)::
+
+    offset 0    magic  b"MILLPOND"
+    offset 8    u32    format version
+    offset 12   u32    header size in bytes (a multiple of the page size)
+    offset 16   u32    length of the JSON metadata
+    offset 32   commit slot A: u64 generation, u64 pushed, u32 crc32 of the two
+    offset 64   commit slot B: the same
+    offset 128  JSON   {"schema", "hot_capacity", "total_capacity",
+                        "cold_capacity", "persistent",
+                        "regions": {name: [offset, nbytes]}}
+    then one page-aligned region per tier and field, and one per tier for seq
+
+The commit point of a push is its counter: written, after the records, to the
+slot the next generation names (A, B, A, ...) with a checksum. A crash in the
+middle of writing a slot leaves the other one intact, and reopening takes the
+valid slot with the highest generation. Records past the committed counter
+are ignored, so an interrupted push is absent, never half present.
+
+The whole file is allocated with ``posix_fallocate`` at creation: a full disk
+fails there with :class:`StorageFullError` (the partial file is removed)
+instead of raising SIGBUS on a later write through the mapping. It is mapped
+once; nothing is remapped or msynced per sample.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import struct
+import zlib
+
+import numpy as np
+
+from ..errors import CorruptFileError, InvalidConfigError, StorageFullError
+from .schema import Schema
+from .tier import SEQ_DTYPE, Tier
+
+MAGIC = b"MILLPOND"
+FORMAT_VERSION = 2
+PAGE = mmap.PAGESIZE
+_PREFIX = struct.Struct("<8sIII")  # magic, version, header size, json length
+_SLOT = struct.Struct("<QQI")  # generation, pushed, crc32(generation, pushed)
+_SLOT_OFFSETS = (32, 64)
+_JSON_OFFSET = 128
+# Not a Python identifier, so no field name (fields must be identifiers) can
+# collide with it in the region table.
+SEQ_REGION = "#seq"
+HOT_PREFIX = "hot:"
+
+
+def _round_up(n: int, to: int = PAGE) -> int:
+    return -(-n // to) * to
+
+
+def _region_sizes(schema: Schema, capacity: int, prefix: str) -> list[tuple[str, int]]:
+    sizes = [(prefix + f.name, capacity * f.nbytes) for f in schema]
+    return sizes + [(prefix + SEQ_REGION, capacity * SEQ_DTYPE.itemsize)]
+
+
+def _layout(sizes: list[tuple[str, int]], meta: dict) -> tuple[int, dict, int]:
+    """Return (header size, regions, file size) for the given regions."""
+    # The header holds the region table, whose offsets depend on the header
+    # size: grow the header a page at a time until the table fits.
+    header = PAGE
+    while True:
+        regions, offset = {}, header
+        for name, nbytes in sizes:
+            regions[name] = [offset, nbytes]
+            offset = _round_up(offset + nbytes)
+        blob = json.dumps({**meta, "regions": regions}).encode()
+        if _JSON_OFFSET + len(blob) <= header:
+            return header, regions, offset
+        header = _round_up(_JSON_OFFSET + len(blob))
+
+
+def _slot_crc(generation: int, pushed: int) -> int:
+    return zlib.crc32(struct.pack("<QQ", generation, pushed))
+
+
+class BufferFile:
+    """One buffer's tiers in a mapped file. Not thread-safe: the buffer locks."""
+
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, meta: dict, schema: Schema,
+                 generation: int = 0, pushed: int = 0):
+        self.path = path
+        self._fd = fd
+        self._mm = mm
+        self.meta = meta
+        self.schema = schema
+        self.generation = generation
+        self.pushed = pushed
+        regions = meta["regions"]
+        cold = meta["cold_capacity"]
+        self.tier = _map_tier(mm, schema, cold, regions, "") if cold else None
+        self.hot_tier = (_map_tier(mm, schema, meta["hot_capacity"], regions, HOT_PREFIX)
+                         if meta["persistent"] else None)
+
+    # ---- create / open -------------------------------------------------------------
+
+    @classmethod
+    def create(cls, path: str, schema: Schema, hot_capacity: int, total_capacity: int,
+               persistent: bool = False) -> "BufferFile":
+        """Create (or replace) the file at ``path``, fully allocated.
+
+        ``persistent`` puts the hot ring in the file as well. Raises
+        :class:`StorageFullError` when the disk cannot hold it; the partial
+        file is removed.
+        """
+        cold_capacity = total_capacity - hot_capacity
+        meta = {
+            "schema": {name: [dt, list(shape)] for name, (dt, shape) in schema.spec().items()},
+            "hot_capacity": hot_capacity,
+            "total_capacity": total_capacity,
+            "cold_capacity": cold_capacity,
+            "persistent": persistent,
+        }
+        sizes = _region_sizes(schema, cold_capacity, "") if cold_capacity else []
+        if persistent:
+            sizes += _region_sizes(schema, hot_capacity, HOT_PREFIX)
+        header, regions, size = _layout(sizes, meta)
+        meta["regions"] = regions
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            raise InvalidConfigError(f"cannot create buffer file {path}: {exc.strerror}") from exc
+        try:
+            _allocate(fd, size, path)
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(path)
+            raise
+        blob = json.dumps(meta).encode()
+        _PREFIX.pack_into(mm, 0, MAGIC, FORMAT_VERSION, header, len(blob))
+        mm[_JSON_OFFSET : _JSON_OFFSET + len(blob)] = blob
+        created = cls(path, fd, mm, meta, schema)
+        created.commit(0)
+        return created
+
+    @classmethod
+    def open(cls, path: str) -> "BufferFile":
+        """Map an existing buffer file; raises CorruptFileError if it is not a sound one."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError as exc:
+            raise InvalidConfigError(f"no buffer file at {path}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size < PAGE:
+                raise CorruptFileError(f"{path}: {size} bytes is too short for a millpond file")
+            mm = mmap.mmap(fd, size)
+            try:
+                meta, schema = _read_meta(mm, path)
+                generation, pushed = _read_commit(mm, path)
+            except BaseException:
+                mm.close()
+                raise
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, mm, meta, schema, generation, pushed)
+
+    @staticmethod
+    def read_meta(mm: mmap.mmap, path: str) -> tuple[dict, int]:
+        """Parse and check the header of a mapped file; return (metadata, pushed)."""
+        meta, _ = _read_meta(mm, path)
+        return meta, _read_commit(mm, path)[1]
+
+    # ---- writes ----------------------------------------------------------------------
+
+    def commit(self, pushed: int) -> None:
+        """Record the push counter: the commit point of every push."""
+        self.generation += 1
+        offset = _SLOT_OFFSETS[self.generation % 2]
+        _SLOT.pack_into(self._mm, offset, self.generation, pushed,
+                        _slot_crc(self.generation, pushed))
+        self.pushed = pushed
+
+    def sync(self) -> None:
+        """Write dirty pages to disk and wait (msync). An error here is fatal to the caller."""
+        if self._mm is not None:
+            self._mm.flush()
+
+    def close(self, delete: bool) -> None:
+        """Unmap and close; remove the file when ``delete``. Idempotent."""
+        if self._mm is None:
+            return
+        for tier in (self.tier, self.hot_tier):
+            if tier is not None:
+                tier.release()  # views into the map must go before it closes
+        self._mm.close()
+        os.close(self._fd)
+        self._mm = None
+        if delete:
+            _unlink_quietly(self.path)
+
+
+def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema]:
+    if len(mm) < _JSON_OFFSET:
+        raise CorruptFileError(f"{path}: too short to be a millpond buffer file")
+    magic, version, header, length = _PREFIX.unpack_from(mm, 0)
+    if magic != MAGIC:
+        raise CorruptFileError(f"{path}: not a millpond buffer file (bad magic)")
+    if version != FORMAT_VERSION:
+        raise CorruptFileError(f"{path}: format version {version}, expected {FORMAT_VERSION}")
+    if not _JSON_OFFSET + length <= header <= len(mm):
+        raise CorruptFileError(f"{path}: damaged header (metadata length {length})")
+    try:
+        meta = json.loads(bytes(mm[_JSON_OFFSET : _JSON_OFFSET + length]))
+        schema = Schema.from_spec({k: (dt, tuple(shape)) for k, (dt, shape) in meta["schema"].items()})
+        regions = meta["regions"]
+        end = max((off + n for off, n in regions.values()), default=header)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptFileError(f"{path}: damaged header metadata") from exc
+    if end > len(mm):
+        raise CorruptFileError(f"{path}: truncated: {len(mm):,} bytes, regions need {end:,}")
+    return meta, schema
+
+
+def _read_commit(mm: mmap.mmap, path: str) -> tuple[int, int]:
+    """The valid commit slot with the highest generation: (generation, pushed)."""
+    valid = []
+    for offset in _SLOT_OFFSETS:
+        generation, pushed, crc = _SLOT.unpack_from(mm, offset)
+        if generation and crc == _slot_crc(generation, pushed):
+            valid.append((generation, pushed))
+    if not valid:
+        raise CorruptFileError(f"{path}: both copies of the push counter are damaged")
+    return max(valid)
+
+
+def _map_tier(mm: mmap.mmap, schema: Schema, capacity: int, regions: dict, prefix: str) -> Tier:
+    def view(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        offset = regions[prefix + name][0]
+        count = capacity * int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(mm, dtype, count, offset).reshape((capacity,) + shape)
+
+    columns = {f.name: view(f.name, f.dtype, f.shape) for f in schema}
+    return Tier(capacity, columns, view(SEQ_REGION, SEQ_DTYPE, ()))
+
+
+def _allocate(fd: int, size: int, path: str) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise StorageFullError(
+                f"cannot allocate {size:,} bytes for buffer file {path}: {os.strerror(exc.errno)}"
+            ) from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # filesystem without fallocate: best effort
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
