@@ -72,7 +72,7 @@ def test_toml_buffers_exist_at_start(tmp_path, toml_file):
         assert (cp.config.hot_capacity, cp.config.total_capacity) == (100, 1000)
         assert [f.name for f in cp.config.fields] == [
             "obs", "next_obs", "actions", "rewards", "terminated", "truncated"]
-        assert cp.cold_path == str(tmp_path / "data" / "cartpole.cold")
+        assert cp.cold_path == str(tmp_path / "data" / "cartpole.buffer")
         assert os.path.exists(cp.cold_path)
         assert (at.config.hot_capacity, at.config.total_capacity) == (50, 50)
         assert {f.name: (f.dtype, list(f.shape)) for f in at.config.fields} == {

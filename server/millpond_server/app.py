@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -19,6 +21,8 @@ from .registry import Registry
 from .service import SERVICE_NAME, ReplayService, add_to_server
 
 log = logging.getLogger("millpond.server")
+
+EXIT_STORAGE_ERROR = 74  # EX_IOERR
 
 def start_fastpath(cfg: ServeConfig, registry: Registry) -> tuple[FastPathServer | None, str]:
     """Start the shared-memory fast path, or say why it is off."""
@@ -57,23 +61,26 @@ def _bind_address(host: str, port: int) -> str:
 
 
 async def serve(cfg: ServeConfig) -> int:
-    """Run until SIGTERM/SIGINT; return the exit code."""
+    """Run until SIGTERM/SIGINT; return the exit code.
+
+    The port opens at once with health NOT_SERVING and every Replay call
+    answered UNAVAILABLE; buffers are then recovered from the data directory
+    (logged, with progress) and only then is the daemon SERVING and the
+    "serving on" line printed.
+    """
     malloc_tuned = tune_malloc_for_large_messages()
-    registry = Registry(cfg.data_dir)
-    try:
-        for spec in cfg.buffers:
-            registry.create(spec.name, spec.schema, spec.hot_capacity, spec.total_capacity)
-    except BaseException:
-        registry.close_all()
-        raise
+    registry = Registry(cfg.data_dir, sync_every_push=cfg.sync == "always")
     fastpath, off_reason = start_fastpath(cfg, registry)
     executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="millpond-engine")
     server = grpc.aio.server(options=grpc_options(cfg))
-    add_to_server(ReplayService(registry, executor, cfg.max_message_mb, fastpath, off_reason),
-                  server)
+    service = ReplayService(registry, executor, cfg.max_message_mb, fastpath, off_reason)
+    add_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    syncer = None
     try:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
             port = server.add_insecure_port(_bind_address(cfg.host, cfg.port))
         except RuntimeError as exc:
@@ -83,27 +90,20 @@ async def serve(cfg: ServeConfig) -> int:
                   file=sys.stderr)
             return 1
         await server.start()
+        stop = _stop_on_signals(cfg)
 
-        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-
-        def on_signal(signum: int) -> None:
-            if stop.is_set():
-                log.warning("already stopping", extra={"kv": {"signal": signal.Signals(signum).name}})
-                return
-            log.info("stopping", extra={"kv": {"signal": signal.Signals(signum).name,
-                                                "grace_s": cfg.grace}})
-            stop.set()
-
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, on_signal, signum)
-
-        for service in ("", SERVICE_NAME):
-            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await loop.run_in_executor(executor, _recover_and_declare, registry, cfg)
+        if cfg.sync == "interval":
+            syncer = PeriodicSync(registry, cfg.sync_interval)
+            syncer.start()
+        service.ready = True
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         address = _bind_address(cfg.host, port)
         log.info("serving", extra={"kv": {
             "address": address, "data_dir": cfg.data_dir, "buffers": len(registry),
-            "max_message_mb": cfg.max_message_mb, "workers": cfg.workers,
+            "max_message_mb": cfg.max_message_mb, "workers": cfg.workers, "sync": cfg.sync,
             "malloc_tuned": malloc_tuned, "shm": "on" if fastpath else off_reason,
         }})
         print(f"serving on {address}", flush=True)
@@ -115,12 +115,72 @@ async def serve(cfg: ServeConfig) -> int:
         return 0
     finally:
         # Handlers cancelled by stop() may still run on the pool: let them end
-        # before their buffers are closed.
+        # before their buffers are released.
         executor.shutdown(wait=True, cancel_futures=True)
+        if syncer is not None:
+            syncer.stop()
         if fastpath is not None:
             fastpath.stop()
-        registry.close_all()
-        log.info("buffers closed")
+        registry.release_all()
+        log.info("buffers synced and released")
+
+
+def _stop_on_signals(cfg: ServeConfig) -> asyncio.Event:
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("already stopping", extra={"kv": {"signal": signal.Signals(signum).name}})
+            return
+        log.info("stopping", extra={"kv": {"signal": signal.Signals(signum).name,
+                                            "grace_s": cfg.grace}})
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    return stop
+
+
+def _recover_and_declare(registry: Registry, cfg: ServeConfig) -> None:
+    """Reopen the data directory's buffers, then create those the TOML declares."""
+    recovered = registry.recover()
+    log.info("recovery done", extra={"kv": {"buffers": recovered}})
+    for spec in cfg.buffers:
+        registry.create(spec.name, spec.schema, spec.hot_capacity, spec.total_capacity)
+
+
+class PeriodicSync(threading.Thread):
+    """``--sync interval``: msync every buffer every ``interval`` seconds.
+
+    A failed msync cannot be retried safely (the kernel may already have
+    dropped the dirty pages it failed to write), so it stops the daemon at once.
+    """
+
+    def __init__(self, registry: Registry, interval: float):
+        super().__init__(name="millpond-sync", daemon=True)
+        self.registry = registry
+        self.interval = interval
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            try:
+                self.registry.sync_all()
+            except OSError as exc:
+                fatal_storage_error(exc)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.join(10)
+
+
+def fatal_storage_error(exc: OSError) -> None:
+    """Log and exit now: data the kernel could not write may already be gone."""
+    message = f"millpond serve: writing buffer data to disk failed ({exc}); stopping"
+    log.critical("storage I/O error, stopping", extra={"kv": {"error": exc}})
+    print(message, file=sys.stderr, flush=True)
+    os._exit(EXIT_STORAGE_ERROR)
 
 
 def run(cfg: ServeConfig) -> int:

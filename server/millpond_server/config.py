@@ -116,6 +116,20 @@ def _group_ids(text: str) -> frozenset[int]:
     return frozenset(gids)
 
 
+def _sync_policy(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("none", "interval", "always"):
+        raise ValueError(f"must be none, interval or always, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"must be > 0, got {value}")
+    return value
+
+
 def _default_workers() -> int:
     return max(4, min(8, os.cpu_count() or 4))
 
@@ -129,6 +143,9 @@ SERVE_OPTIONS = (
     Option("grace", _non_negative_float, 10.0, "seconds in-flight calls get on SIGTERM/SIGINT"),
     Option("workers", _positive_int, None, "engine thread pool size (default 4-8 by CPU)"),
     Option("log_level", _log_level, "WARNING", "debug, info, warning (default), error"),
+    Option("sync", _sync_policy, "interval",
+           "when buffer files reach the disk: none, interval (every --sync-interval s), always"),
+    Option("sync_interval", _positive_float, 1.0, "seconds between syncs with --sync interval"),
     Option("shm", _bool, True, "offer the same-host shared-memory fast path (--no-shm: off)"),
     Option("shm_group", _group_ids, None, "groups (names or gids) also allowed on the fast path"),
     Option("shm_max_mb", _positive_int, 8192, "shared memory one fast-path client may hold, MiB"),
@@ -145,6 +162,8 @@ class ServeConfig:
     grace: float = 10.0
     workers: int = field(default_factory=_default_workers)
     log_level: str = "WARNING"
+    sync: str = "interval"
+    sync_interval: float = 1.0
     shm: bool = True
     shm_group: frozenset[int] = frozenset()
     shm_max_mb: int = 8192

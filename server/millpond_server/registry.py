@@ -7,7 +7,9 @@ lock so lookups of other buffers never wait for a disk allocation.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import re
 import threading
 from pathlib import Path
@@ -18,7 +20,8 @@ from millpond.errors import BufferNotFoundError, ConfigMismatchError, InvalidArg
 log = logging.getLogger("millpond.registry")
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-COLD_SUFFIX = ".cold"
+FILE_SUFFIX = ".buffer"
+LOCK_FILE = ".millpond.lock"
 
 
 def check_name(name: object) -> str:
@@ -35,18 +38,50 @@ def describe(schema: Schema, hot: int, total: int) -> str:
     return f"hot={hot} total={total} fields={schema.spec()}"
 
 
-class Registry:
-    """The server's named buffers; cold files live at ``<data_dir>/<name>.cold``."""
+class DataDirLockedError(OSError):
+    """Another daemon already serves this data directory."""
 
-    def __init__(self, data_dir: str | Path):
+
+class Registry:
+    """The server's named buffers, each persistent in ``<data_dir>/<name>.buffer``.
+
+    Buffers outlive the daemon: :meth:`recover` reopens every buffer file at
+    start-up and :meth:`release_all` keeps them at shutdown; only
+    :meth:`close` deletes one. An exclusive lock on the data directory keeps a
+    second daemon out (it would corrupt the files).
+    """
+
+    def __init__(self, data_dir: str | Path, sync_every_push: bool = False):
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_directory(self.data_dir)
+        self.sync_every_push = sync_every_push
         self._buffers: dict[str, TieredBuffer] = {}
         self._lock = threading.Lock()         # guards _buffers; held briefly
         self._create_lock = threading.Lock()  # serializes creations
 
     def cold_path(self, name: str) -> Path:
-        return self.data_dir / f"{check_name(name)}{COLD_SUFFIX}"
+        """Where buffer ``name`` keeps its records (both tiers)."""
+        return self.data_dir / f"{check_name(name)}{FILE_SUFFIX}"
+
+    def recover(self) -> int:
+        """Reopen every buffer file in the data directory; return how many.
+
+        Logs each buffer before and after, so a long recovery is visibly not
+        a hang. A damaged file stops the start with CorruptFileError naming it.
+        """
+        paths = sorted(self.data_dir.glob(f"*{FILE_SUFFIX}"))
+        for i, path in enumerate(paths, 1):
+            name = path.name[: -len(FILE_SUFFIX)]
+            log.info("recovering buffer", extra={"kv": {
+                "buffer": name, "progress": f"{i}/{len(paths)}",
+                "bytes": path.stat().st_size}})
+            buffer = TieredBuffer.open(path, sync_every_push=self.sync_every_push)
+            with self._lock:
+                self._buffers[name] = buffer
+            log.info("buffer recovered", extra={"kv": {
+                "buffer": name, "records": len(buffer), "pushed": buffer.pushed}})
+        return len(paths)
 
     def create(self, name: str, schema: Schema, hot: int, total: int) -> tuple[TieredBuffer, bool]:
         """Create ``name`` or attach to it; return ``(buffer, created)``.
@@ -68,7 +103,8 @@ class Registry:
                         f", asked for {describe(schema, hot, total)}"
                     )
                 return existing, False
-            buffer = TieredBuffer(schema, hot, total, cold_path=path)
+            buffer = TieredBuffer(schema, hot, total, cold_path=path, persistent=True,
+                                  sync_every_push=self.sync_every_push)
             with self._lock:
                 self._buffers[name] = buffer
         log.info("buffer created", extra={"kv": {"buffer": name, "hot": hot, "total": total,
@@ -96,16 +132,36 @@ class Registry:
         with self._lock:
             return sorted(self._buffers.items())
 
-    def close_all(self) -> None:
-        """Close every buffer (shutdown). The data directory itself stays."""
+    def sync_all(self) -> None:
+        """msync every buffer's file. An OSError here must stop the daemon."""
+        for _, buffer in self.list():
+            buffer.sync()
+
+    def release_all(self) -> None:
+        """Sync and unmap every buffer, keeping the files (shutdown)."""
         with self._lock:
             buffers, self._buffers = list(self._buffers.items()), {}
         for name, buffer in buffers:
             try:
-                buffer.close()
-            except Exception:  # keep closing the others
-                log.exception("closing buffer failed", extra={"kv": {"buffer": name}})
+                buffer.sync()
+                buffer.release()
+            except Exception:  # keep releasing the others
+                log.exception("releasing buffer failed", extra={"kv": {"buffer": name}})
+        os.close(self._lock_fd)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._buffers)
+
+
+def _lock_directory(data_dir: Path) -> int:
+    """Hold an exclusive lock on the data directory for this process's life."""
+    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DataDirLockedError(
+            f"data directory {data_dir} is in use by another millpond daemon"
+        ) from None
+    return fd

@@ -54,6 +54,10 @@ _METHODS = tuple(pb.DESCRIPTOR.services_by_name["Replay"].methods_by_name)
 def _rpc(method: Callable) -> Callable:
     @functools.wraps(method)
     async def handler(self, request, context: grpc.aio.ServicerContext):
+        if not self.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the server is recovering its buffers; retry shortly",
+                                trailing_metadata=((ERROR_CODE_KEY, "UNAVAILABLE"),))
         try:
             return await method(self, request, context)
         except ReplayError as exc:
@@ -119,6 +123,7 @@ class ReplayService:
     def __init__(self, registry: Registry, executor: Executor, max_message_mb: int,
                  fastpath: FastPathServer | None = None, fastpath_off_reason: str = ""):
         self.registry = registry
+        self.ready = False  # set once the buffers are recovered
         self.fastpath = fastpath
         self.fastpath_off_reason = fastpath_off_reason
         self.executor = executor
