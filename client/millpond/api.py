@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .core import Schema, TieredBuffer
-from .errors import FieldMismatchError
+from .errors import ConfigMismatchError, FieldMismatchError
 from .sampler import Sampler
 
 # The reference's positional order for push and push_batch of transitions,
@@ -121,6 +121,10 @@ class Buffer:
         """Release the buffer and delete its files; later calls raise BufferClosedError."""
         self._backend.close()
 
+    def release(self) -> None:
+        """Stop using this handle but keep the data (a persistent file, or the server's buffer)."""
+        self._backend.release()
+
     @property
     def closed(self) -> bool:
         return self._backend.closed
@@ -209,13 +213,47 @@ class MmapReplayBuffer(Buffer):
         fields: Mapping[str, Any] | None = None,
         address: str | None = None,
         name: str | None = None,
+        persistent: bool = False,
     ):
         schema = Schema.resolve(obs_dim, act_dim, fields)
-        if address is not None:
+        if address is not None:  # server buffers are always persistent
             backend = _remote(
                 address, name, hot_capacity=hot_capacity,
                 total_capacity=total_capacity, fields=schema,
             )
         else:
-            backend = TieredBuffer(schema, hot_capacity, total_capacity, cold_path)
+            backend = TieredBuffer(schema, hot_capacity, total_capacity, cold_path,
+                                   persistent=persistent)
         super().__init__(backend)
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike,
+        hot_capacity: int | None = None,
+        total_capacity: int | None = None,
+        obs_dim: int | None = None,
+        act_dim: int | None = None,
+        *,
+        fields: Mapping[str, Any] | None = None,
+    ) -> "MmapReplayBuffer":
+        """Reopen a persistent buffer's file (``persistent=True``, then ``release()``).
+
+        Any configuration given must match the file's, else ConfigMismatchError
+        names what differs; a damaged file raises CorruptFileError.
+        """
+        backend = TieredBuffer.open(path)
+        expected = {"hot_capacity": hot_capacity, "total_capacity": total_capacity}
+        if fields is not None or obs_dim is not None or act_dim is not None:
+            expected["schema"] = Schema.resolve(obs_dim, act_dim, fields)
+        actual = {"hot_capacity": backend.hot_capacity,
+                  "total_capacity": backend.total_capacity, "schema": backend.schema}
+        wrong = {k: (v, actual[k]) for k, v in expected.items() if v is not None and v != actual[k]}
+        if wrong:
+            backend.release()
+            detail = "; ".join(f"{k}: expected {want}, file has {have}"
+                               for k, (want, have) in wrong.items())
+            raise ConfigMismatchError(f"{path} does not match: {detail}")
+        buffer = cls.__new__(cls)
+        Buffer.__init__(buffer, backend)
+        return buffer

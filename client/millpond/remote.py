@@ -201,6 +201,13 @@ class RemoteBuffer:
                 raise
         self._closed = True
 
+    def release(self) -> None:
+        """Flush queued pushes and stop using this handle; the server keeps the buffer."""
+        if not self._closed:
+            if self._batcher is not None:
+                self._batcher.close()
+            self._closed = True
+
     def _check_open(self) -> None:
         if self._closed:
             raise BufferClosedError(f"buffer {self.name!r} was closed")

@@ -99,8 +99,26 @@ class TieredBuffer:
         buffer = cls.__new__(cls)
         buffer._setup(file.schema, file.meta["hot_capacity"], file.meta["total_capacity"],
                       file, sync_every_push)
-        buffer._pushed = file.pushed
+        buffer._pushed, buffer._first, buffer._hot_lo = file.pushed, file.first, file.hot_lo
+        buffer._check_recovered()
         return buffer
+
+    def _check_recovered(self) -> None:
+        """Every live slot must hold the record the counters say (seq check)."""
+        damaged = 0
+        for tier, lo, hi in ((self._hot, self._hot_lo, self._pushed),
+                             (self._cold, self._first, self._hot_lo)):
+            if tier is None or lo == hi:
+                continue
+            seqs = np.arange(lo, hi, dtype=np.int64)
+            held = tier.seq[seqs % tier.capacity]
+            damaged += int(np.count_nonzero(held != (seqs & 0xFFFFFFFF).astype(held.dtype)))
+        if damaged:
+            self._file.close(delete=False)
+            raise CorruptFileError(
+                f"{self._file.path}: {damaged:,} of {self._size():,} live records are not "
+                "in the slots the counters name (damaged file)"
+            )
 
     def _setup(self, schema: Schema, hot: int, total: int, file: BufferFile | None,
                sync_every_push: bool) -> None:
@@ -108,7 +126,8 @@ class TieredBuffer:
         self.hot_capacity = hot
         self.total_capacity = total
         self._lock = threading.Lock()
-        self._pushed = 0
+        # Live records are seqs [_first, _pushed); those from _hot_lo on are hot.
+        self._pushed = self._first = self._hot_lo = 0
         self._closed = False
         self._rng = np.random.default_rng()
         self._file = file
@@ -144,15 +163,15 @@ class TieredBuffer:
         return self._size()
 
     def _size(self) -> int:
-        return min(self._pushed, self.total_capacity)
+        return self._pushed - self._first
 
     @property
     def hot_len(self) -> int:
-        return min(self._pushed, self.hot_capacity)
+        return self._pushed - self._hot_lo
 
     @property
     def cold_len(self) -> int:
-        return self._size() - self.hot_len
+        return self._hot_lo - self._first
 
     @property
     def closed(self) -> bool:
@@ -197,25 +216,36 @@ class TieredBuffer:
         return n
 
     def _append(self, n: int, batch: Mapping[str, np.ndarray]) -> None:
-        first, new_pushed = self._pushed, self._pushed + n
-        hot, total = self.hot_capacity, self.total_capacity
+        """Store a validated batch (lock held).
+
+        Persistent buffers commit in three steps so that a crash at any point
+        leaves a consistent committed state: (1) the records this push evicts
+        are declared gone before their slots are reused; (2) hot records moved
+        to cold are declared cold before their hot slots are reused; (3) the
+        new records become live. A crash before (3) leaves the push absent.
+        """
+        old, new = self._pushed, self._pushed + n
+        first = max(self._first, new - self.total_capacity)
+        hot_lo = max(self._hot_lo, new - self.hot_capacity)
+        self._commit(old, first, self._hot_lo)  # (1) evictions
         if self._cold is not None:
-            cold = self._cold
-            live_lo, cold_hi = max(0, new_pushed - total), max(0, new_pushed - hot)
-            # Spill first: hot records pushed out by this batch move to cold
-            # before their slots are overwritten. Records older than the new
-            # live range are simply dropped (evicted).
-            spill_lo = max(live_lo, first - hot, 0)
-            if spill_lo < min(cold_hi, first):
-                self._hot.copy_to(cold, spill_lo, min(cold_hi, first))
-            # A batch larger than the hot ring sends its own head straight to cold.
-            direct_lo = max(live_lo, first)
-            if direct_lo < cold_hi:
-                cold.write(direct_lo, cold_hi, batch, first)
-        self._hot.write(max(first, new_pushed - hot), new_pushed, batch, first)
-        self._pushed = new_pushed
-        if self._file is not None:
-            self._file.commit(new_pushed)  # the commit point: after every record
+            # Hot records pushed out by this batch move to cold; a batch larger
+            # than the hot ring sends its own head straight to cold.
+            if max(first, self._hot_lo) < min(hot_lo, old):
+                self._hot.copy_to(self._cold, max(first, self._hot_lo), min(hot_lo, old))
+            if max(first, old) < hot_lo:
+                self._cold.write(max(first, old), hot_lo, batch, old)
+        self._commit(old, first, hot_lo)  # (2) spilled records now read from cold
+        self._hot.write(max(old, hot_lo), new, batch, old)
+        self._commit(new, first, hot_lo, final=True)  # (3) the push is in
+
+    def _commit(self, pushed: int, first: int, hot_lo: int, final: bool = False) -> None:
+        """Adopt the live ranges; record them in the file if persistent (or ``final``)."""
+        first = min(first, pushed)
+        hot_lo = min(max(hot_lo, first), pushed)
+        self._pushed, self._first, self._hot_lo = pushed, first, hot_lo
+        if self._file is not None and (self.persistent or final):
+            self._file.commit(pushed, first, hot_lo)
             if self._sync_every_push:
                 self._file.sync()
 
@@ -245,15 +275,24 @@ class TieredBuffer:
             # Unseeded draws share one generator (guarded by the lock): making
             # a fresh one costs more than sampling 256 small records.
             rng = self._rng if seed is None else np.random.default_rng(seed)
-            seqs = rng.integers(self._pushed - size, self._pushed, size=batch_size)
-            hot_lo = self._pushed - self.hot_len
-            is_hot = seqs >= hot_lo
-            cold_seqs, hot_seqs = seqs[~is_hot], seqs[is_hot]
-            if out is None:
-                out = {f.name: np.empty((batch_size,) + f.shape, f.dtype) for f in self.schema}
-            if len(cold_seqs):
-                self._cold.gather(cold_seqs, out, 0)
-            self._hot.gather(hot_seqs, out, len(cold_seqs))
+            seqs = rng.integers(self._first, self._pushed, size=batch_size)
+            return self._gather(seqs, out)
+
+    def contents(self) -> dict[str, np.ndarray]:
+        """Every live record, oldest first (a copy): for export, checks and tests."""
+        with self._lock:
+            self._check_open()
+            return self._gather(np.arange(self._first, self._pushed), None)
+
+    def _gather(self, seqs: np.ndarray, out: Mapping[str, np.ndarray] | None) -> dict:
+        """Copy live records ``seqs`` into ``out``: cold ones first, then hot (lock held)."""
+        if out is None:
+            out = {f.name: np.empty((len(seqs),) + f.shape, f.dtype) for f in self.schema}
+        is_hot = seqs >= self._hot_lo
+        cold_seqs, hot_seqs = seqs[~is_hot], seqs[is_hot]
+        if len(cold_seqs):
+            self._cold.gather(cold_seqs, out, 0)
+        self._hot.gather(hot_seqs, out, len(cold_seqs))
         return dict(out)
 
     # ---- lifecycle ------------------------------------------------------------

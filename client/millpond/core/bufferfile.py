@@ -10,8 +10,9 @@ Layout (all integers little-endian)::
     offset 8    u32    format version
     offset 12   u32    header size in bytes (a multiple of the page size)
     offset 16   u32    length of the JSON metadata
-    offset 32   commit slot A: u64 generation, u64 pushed, u32 crc32 of the two
-    offset 64   commit slot B: the same
+    offset 32   commit slot A: u64 generation, u64 pushed, u64 first, u64 hot_lo,
+                u32 crc32 of the four (live seqs: [first, pushed); hot from hot_lo)
+    offset 72   commit slot B: the same
     offset 128  JSON   {"schema", "hot_capacity", "total_capacity",
                         "cold_capacity", "persistent",
                         "regions": {name: [offset, nbytes]}}
@@ -48,8 +49,9 @@ MAGIC = b"MILLPOND"
 FORMAT_VERSION = 2
 PAGE = mmap.PAGESIZE
 _PREFIX = struct.Struct("<8sIII")  # magic, version, header size, json length
-_SLOT = struct.Struct("<QQI")  # generation, pushed, crc32(generation, pushed)
-_SLOT_OFFSETS = (32, 64)
+_COUNTERS = struct.Struct("<QQQQ")  # generation, pushed, first, hot_lo
+_SLOT = struct.Struct("<QQQQI")  # the counters and their crc32
+_SLOT_OFFSETS = (32, 72)
 _JSON_OFFSET = 128
 # Not a Python identifier, so no field name (fields must be identifiers) can
 # collide with it in the region table.
@@ -82,22 +84,21 @@ def _layout(sizes: list[tuple[str, int]], meta: dict) -> tuple[int, dict, int]:
         header = _round_up(_JSON_OFFSET + len(blob))
 
 
-def _slot_crc(generation: int, pushed: int) -> int:
-    return zlib.crc32(struct.pack("<QQ", generation, pushed))
+def _slot_crc(*counters: int) -> int:
+    return zlib.crc32(_COUNTERS.pack(*counters))
 
 
 class BufferFile:
     """One buffer's tiers in a mapped file. Not thread-safe: the buffer locks."""
 
     def __init__(self, path: str, fd: int, mm: mmap.mmap, meta: dict, schema: Schema,
-                 generation: int = 0, pushed: int = 0):
+                 counters: tuple[int, int, int, int] = (0, 0, 0, 0)):
         self.path = path
         self._fd = fd
         self._mm = mm
         self.meta = meta
         self.schema = schema
-        self.generation = generation
-        self.pushed = pushed
+        self.generation, self.pushed, self.first, self.hot_lo = counters
         regions = meta["regions"]
         cold = meta["cold_capacity"]
         self.tier = _map_tier(mm, schema, cold, regions, "") if cold else None
@@ -143,7 +144,7 @@ class BufferFile:
         _PREFIX.pack_into(mm, 0, MAGIC, FORMAT_VERSION, header, len(blob))
         mm[_JSON_OFFSET : _JSON_OFFSET + len(blob)] = blob
         created = cls(path, fd, mm, meta, schema)
-        created.commit(0)
+        created.commit(0, 0, 0)
         return created
 
     @classmethod
@@ -160,30 +161,30 @@ class BufferFile:
             mm = mmap.mmap(fd, size)
             try:
                 meta, schema = _read_meta(mm, path)
-                generation, pushed = _read_commit(mm, path)
+                counters = _read_commit(mm, path)
             except BaseException:
                 mm.close()
                 raise
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, mm, meta, schema, generation, pushed)
+        return cls(path, fd, mm, meta, schema, counters)
 
     @staticmethod
     def read_meta(mm: mmap.mmap, path: str) -> tuple[dict, int]:
         """Parse and check the header of a mapped file; return (metadata, pushed)."""
         meta, _ = _read_meta(mm, path)
-        return meta, _read_commit(mm, path)[1]
+        return meta, _read_commit(mm, path)[1]  # (generation, pushed, ...)[1]
 
     # ---- writes ----------------------------------------------------------------------
 
-    def commit(self, pushed: int) -> None:
-        """Record the push counter: the commit point of every push."""
+    def commit(self, pushed: int, first: int, hot_lo: int) -> None:
+        """Record the live ranges: the commit point of every step of a push."""
         self.generation += 1
-        offset = _SLOT_OFFSETS[self.generation % 2]
-        _SLOT.pack_into(self._mm, offset, self.generation, pushed,
-                        _slot_crc(self.generation, pushed))
-        self.pushed = pushed
+        counters = (self.generation, pushed, first, hot_lo)
+        _SLOT.pack_into(self._mm, _SLOT_OFFSETS[self.generation % 2], *counters,
+                        _slot_crc(*counters))
+        self.pushed, self.first, self.hot_lo = pushed, first, hot_lo
 
     def sync(self) -> None:
         """Write dirty pages to disk and wait (msync). An error here is fatal to the caller."""
@@ -226,13 +227,14 @@ def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema]:
     return meta, schema
 
 
-def _read_commit(mm: mmap.mmap, path: str) -> tuple[int, int]:
-    """The valid commit slot with the highest generation: (generation, pushed)."""
+def _read_commit(mm: mmap.mmap, path: str) -> tuple[int, int, int, int]:
+    """The valid commit slot with the highest generation: (generation, pushed, first, hot_lo)."""
     valid = []
     for offset in _SLOT_OFFSETS:
-        generation, pushed, crc = _SLOT.unpack_from(mm, offset)
-        if generation and crc == _slot_crc(generation, pushed):
-            valid.append((generation, pushed))
+        *counters, crc = _SLOT.unpack_from(mm, offset)
+        generation, pushed, first, hot_lo = counters
+        if generation and crc == _slot_crc(*counters) and first <= hot_lo <= pushed:
+            valid.append(tuple(counters))
     if not valid:
         raise CorruptFileError(f"{path}: both copies of the push counter are damaged")
     return max(valid)

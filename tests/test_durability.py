@@ -1,0 +1,196 @@
+"""Buffers outlive the daemon: restarts, SIGKILL crashes, reopening files, one daemon per directory."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import struct
+import threading
+import zlib
+
+import numpy as np
+import pytest
+
+import millpond
+from millpond.core import Schema, TieredBuffer
+from support import ServerProcess
+from test_contract import transitions
+
+# Records that carry their own identity and checksum, so a crash test can tell
+# a record that is present, missing, duplicated or torn.
+CRASH_FIELDS = {"actor": ("int32", ()), "seq": ("int64", ()),
+                "payload": ("uint8", (64,)), "crc": ("uint32", ())}
+TRIALS = int(os.environ.get("MILLPOND_CRASH_TRIALS", "20"))
+
+
+def crash_records(actor: int, start: int, n: int) -> dict[str, np.ndarray]:
+    seqs = np.arange(start, start + n, dtype=np.int64)
+    payload = ((seqs[:, None] * 31 + np.arange(64) + actor) % 251).astype(np.uint8)
+    crc = np.array([zlib.crc32(struct.pack("<iq", actor, s) + p.tobytes())
+                    for s, p in zip(seqs.tolist(), payload)], np.uint32)
+    return {"actor": np.full(n, actor, np.int32), "seq": seqs, "payload": payload, "crc": crc}
+
+
+def valid(records: dict[str, np.ndarray]) -> np.ndarray:
+    return np.array([zlib.crc32(struct.pack("<iq", int(a), int(s)) + p.tobytes()) == c
+                     for a, s, p, c in zip(records["actor"], records["seq"], records["payload"],
+                                           records["crc"])], bool)
+
+
+def snapshot(buf) -> tuple:
+    info = buf.info()
+    sample = buf.sample(len(buf), seed=3)
+    return (info["size"], info["pushed"], info["hot_size"], info["cold_size"],
+            info["hot_capacity"], info["total_capacity"], info["fields"],
+            {k: v.tobytes() for k, v in sample.items()})
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_buffers_survive_a_restart(tmp_path, sig):
+    data = tmp_path / "data"
+    with ServerProcess(data) as server:
+        client = millpond.connect(server.address)
+        kept = client.create_buffer("kept", hot_capacity=4, total_capacity=20, obs_dim=2, act_dim=1)
+        kept.push_batch(**transitions(0, 13))
+        gone = client.create_buffer("gone", capacity=8, obs_dim=2, act_dim=1)
+        gone.push_batch(**transitions(0, 3))
+        gone.close()  # Close is the only thing that deletes data
+        before = snapshot(kept)
+        server.stop(sig)
+    with ServerProcess(data) as server:
+        client = millpond.connect(server.address)
+        assert [b["name"] for b in client.list_buffers()] == ["kept"]
+        again = client.buffer("kept")
+        assert snapshot(again) == before
+        again.push_batch(**transitions(13, 10))  # and it carries on where it stopped
+        assert again.info()["pushed"] == 23 and len(again) == 20
+
+
+def test_a_second_daemon_on_the_same_directory_refuses(tmp_path):
+    with ServerProcess(tmp_path / "data"):
+        second = ServerProcess(tmp_path / "data")
+        with pytest.raises(RuntimeError, match="in use by another millpond daemon"):
+            second.start(timeout=30)
+        assert second.proc.returncode == 1
+
+
+def test_recovery_is_logged_with_progress(tmp_path):
+    data = tmp_path / "data"
+    with ServerProcess(data) as server:
+        client = millpond.connect(server.address)
+        for name in ("a", "b"):
+            client.create_buffer(name, capacity=8, obs_dim=2, act_dim=1).push_batch(**transitions(0, 5))
+    server = ServerProcess(data, "--log-level", "info").start()
+    server.stop()
+    log = server.proc.stderr.read()
+    assert 'msg="recovering buffer" buffer=a progress=1/2' in log
+    assert 'msg="recovering buffer" buffer=b progress=2/2' in log
+    assert 'msg="buffer recovered" buffer=b records=5' in log
+
+
+@pytest.mark.parametrize("sync", ["none", "interval", "always"])
+def test_every_sync_policy_serves_and_persists(tmp_path, sync):
+    data = tmp_path / "data"
+    with ServerProcess(data, "--sync", sync, "--sync-interval", "0.05") as server:
+        buf = millpond.connect(server.address).create_buffer("b", capacity=50, obs_dim=2, act_dim=1)
+        buf.push_batch(**transitions(0, 30))
+    with ServerProcess(data) as server:
+        assert len(millpond.connect(server.address).buffer("b")) == 30
+
+
+def test_sigkill_crash_trials_lose_no_acknowledged_record(tmp_path):
+    """The daemon is SIGKILLed at random moments while actors push.
+
+    After every restart each acknowledged record is present exactly once with
+    a valid checksum, and every record served is a valid one that some actor
+    sent (a push in flight may be fully present, never torn).
+    """
+    data = tmp_path / "data"
+    rng = random.Random(7)
+    acknowledged: dict[int, list[int]] = {}
+    checked, interrupted = 0, []
+    for trial in range(TRIALS):
+        server = ServerProcess(data).start()
+        client = millpond.connect(server.address, timeout=5)
+        buf = client.create_buffer("crash", hot_capacity=500, total_capacity=TRIALS * 8_000,
+                                   fields=CRASH_FIELDS)
+
+        def actor(actor_id: int) -> None:
+            done, n = acknowledged.setdefault(actor_id, []), 0
+            while n < 4_000:  # bounded, so nothing is ever evicted in this test
+                try:
+                    buf.push_batch(**crash_records(actor_id, n, 50))
+                except millpond.ReplayError:
+                    interrupted.append(actor_id)
+                    return  # the daemon died under us: what was acked stays acked
+                done.extend(range(n, n + 50))
+                n += 50
+
+        actors = [threading.Thread(target=actor, args=(trial * 10 + i,)) for i in range(2)]
+        for thread in actors:
+            thread.start()
+        threading.Event().wait(rng.uniform(0.002, 0.04))  # a random moment, not a sync point
+        server.stop(signal.SIGKILL)
+        for thread in actors:
+            thread.join(30)
+        client.close()
+
+        stored = TieredBuffer.open(data / "crash.buffer")  # what a restart will serve
+        records = stored.contents()
+        stored.release()
+        assert valid(records).all(), "a torn or damaged record would be served"
+        keys = list(zip(records["actor"].tolist(), records["seq"].tolist()))
+        assert len(keys) == len(set(keys)), "a record is present twice"
+        present = set(keys)
+        for actor_id, seqs in acknowledged.items():
+            missing = [s for s in seqs if (actor_id, s) not in present]
+            assert not missing, f"trial {trial}: actor {actor_id} lost acknowledged {missing[:5]}"
+        checked = len(keys)
+    assert checked >= sum(len(s) for s in acknowledged.values()) > 0
+    assert len(interrupted) >= TRIALS, "most kills must land while pushes are in flight"
+    print(f"{TRIALS} SIGKILL trials ({len(interrupted)} pushes interrupted), "
+          f"{checked} records checked")
+
+
+def test_in_process_persistent_buffer_reopens_and_refuses_mismatches(tmp_path):
+    path = tmp_path / "mine.buffer"
+    buf = millpond.MmapReplayBuffer(3, 10, 2, 1, path, persistent=True)
+    buf.push_batch(**transitions(0, 8))
+    before = buf.sample(8, seed=1)
+    buf.release()
+    assert path.exists()
+    again = millpond.MmapReplayBuffer.open(path, hot_capacity=3, total_capacity=10,
+                                           obs_dim=2, act_dim=1)
+    assert len(again) == 8
+    for key, value in again.sample(8, seed=1).items():
+        np.testing.assert_array_equal(value, before[key])
+    again.release()
+    with pytest.raises(millpond.ConfigMismatchError, match="total_capacity"):
+        millpond.MmapReplayBuffer.open(path, hot_capacity=3, total_capacity=11, obs_dim=2, act_dim=1)
+    with pytest.raises(millpond.ConfigMismatchError, match="schema"):
+        millpond.MmapReplayBuffer.open(path, obs_dim=3, act_dim=1)
+    millpond.MmapReplayBuffer.open(path).close()  # close deletes
+    assert not path.exists()
+
+
+def test_damaged_files_are_refused_clearly(tmp_path):
+    path = tmp_path / "b.buffer"
+    TieredBuffer(Schema.transition(2, 1), 3, 10, path, persistent=True).release()
+    raw = bytearray(path.read_bytes())
+
+    def reopen(data: bytes):
+        path.write_bytes(data)
+        TieredBuffer.open(path).release()
+
+    reopen(bytes(raw[:32]) + bytes(36) + bytes(raw[68:]))  # one commit slot zeroed: the other serves
+    with pytest.raises(millpond.CorruptFileError, match="both copies"):
+        reopen(bytes(raw[:32]) + bytes(76) + bytes(raw[108:]))
+    with pytest.raises(millpond.CorruptFileError, match="magic"):
+        reopen(b"NOTMILLP" + bytes(raw[8:]))
+    with pytest.raises(millpond.CorruptFileError, match="truncated"):
+        reopen(bytes(raw[: len(raw) // 2]))
+    not_persistent = tmp_path / "plain.cold"
+    TieredBuffer(Schema.transition(2, 1), 3, 10, not_persistent).release()
+    with pytest.raises(millpond.CorruptFileError, match="non-persistent"):
+        TieredBuffer.open(not_persistent)
