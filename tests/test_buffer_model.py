@@ -90,21 +90,37 @@ class BufferMachine(RuleBasedStateMachine):
         hot=st.integers(1, 8),
         extra=st.integers(0, 12),
         public=st.booleans(),
+        persistent=st.booleans(),
     )
-    def setup(self, hot, extra, public):
+    def setup(self, hot, extra, public, persistent):
         self.hot, self.total = hot, hot + extra
         self.public = public
+        self.persistent = persistent
         self.cold_path = os.path.join(self.tmpdir, "cold.bin")
         if public:
             self.buf = millpond.MmapReplayBuffer(
-                hot, self.total, cold_path=self.cold_path, fields=FIELDS
+                hot, self.total, cold_path=self.cold_path, fields=FIELDS, persistent=persistent
             )
             self.engine = self.buf._backend
         else:
-            self.buf = TieredBuffer(SCHEMA, hot, self.total, self.cold_path)
+            self.buf = TieredBuffer(SCHEMA, hot, self.total, self.cold_path, persistent=persistent)
             self.engine = self.buf
         self.pushed = 0  # the model: records 0..pushed-1, live = the last `total`
-        assert os.path.exists(self.cold_path) == (extra > 0)
+        assert os.path.exists(self.cold_path) == (extra > 0 or persistent)
+
+    @precondition(lambda self: self.buf is not None and not self.closed and self.persistent)
+    @rule()
+    def release_and_reopen(self):
+        """A persistent buffer comes back from its file exactly as it was."""
+        before = self.snapshot()
+        self.buf.release()
+        if self.public:
+            self.buf = millpond.MmapReplayBuffer.open(self.cold_path)
+            self.engine = self.buf._backend
+        else:
+            self.buf = TieredBuffer.open(self.cold_path)
+            self.engine = self.buf
+        assert self.snapshot() == before
 
     def teardown(self):
         if self.buf is not None:
