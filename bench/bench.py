@@ -271,6 +271,19 @@ def push_per_step_rate(server: ServerProcess, seconds: float) -> float:
     return rate
 
 
+def durability_section(tmp: Path, seconds: float) -> None:
+    """What durability costs: push throughput under each --sync policy, same run."""
+    w = workloads(quick=True)[0]  # CartPole, 10,000 records per push_batch
+    batch = w.batch(w.push_batch, np.random.default_rng(2))
+    print(f"\nDurability: CartPole push_batch({w.push_batch}) through shared memory by --sync policy")
+    for policy in ("none", "interval", "always"):
+        with ServerProcess(tmp / f"sync-{policy}", "--sync", policy) as server:
+            buf = millpond.connect(server.address).create_buffer(
+                "bench-sync", hot_capacity=w.hot, total_capacity=w.total, fields=w.schema)
+            rate = timed_rate(lambda: buf.push_batch(**batch), w.push_batch, seconds)
+            print(f"  --sync {policy:9} {fmt_rate(rate, w.schema.record_nbytes)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, short timings")
@@ -288,6 +301,7 @@ def main() -> None:
               f"here, so one caller can make at most {floor:,.0f} calls/s "
               f"= {floor * SAMPLE_BATCH:,.0f} records/s at sample({SAMPLE_BATCH}).")
         memory_figure(server, 100_000 if args.quick else 1_000_000)
+    durability_section(tmp, seconds)
 
 
 if __name__ == "__main__":
