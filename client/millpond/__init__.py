@@ -31,6 +31,7 @@ from .errors import (
     ReplayError,
     ServerUnavailableError,
     ShapeMismatchError,
+    StorageIOError,
     SharedMemoryError,
     StorageFullError,
 )

@@ -95,6 +95,12 @@ class SharedMemoryError(StorageFullError):
     code = "SHM_UNAVAILABLE"
 
 
+class StorageIOError(ReplayError, OSError):
+    """Writing buffer data to disk failed (msync); the data may be lost. Not retryable."""
+
+    code = "STORAGE_IO"
+
+
 class CorruptFileError(ReplayError, ValueError):
     """A cold file is not a millpond file, or its header is damaged."""
 

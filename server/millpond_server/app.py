@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import sys
 import threading
@@ -13,16 +12,16 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from millpond.errors import StorageIOError
 from millpond.malloc import tune_malloc_for_large_messages
 
 from .config import ServeConfig
 from .fastpath import FastPathServer
+from .fatal import fatal_storage_error
 from .registry import Registry
 from .service import SERVICE_NAME, ReplayService, add_to_server
 
 log = logging.getLogger("millpond.server")
-
-EXIT_STORAGE_ERROR = 74  # EX_IOERR
 
 def start_fastpath(cfg: ServeConfig, registry: Registry) -> tuple[FastPathServer | None, str]:
     """Start the shared-memory fast path, or say why it is off."""
@@ -167,20 +166,12 @@ class PeriodicSync(threading.Thread):
         while not self._stopped.wait(self.interval):
             try:
                 self.registry.sync_all()
-            except OSError as exc:
+            except StorageIOError as exc:
                 fatal_storage_error(exc)
 
     def stop(self) -> None:
         self._stopped.set()
         self.join(10)
-
-
-def fatal_storage_error(exc: OSError) -> None:
-    """Log and exit now: data the kernel could not write may already be gone."""
-    message = f"millpond serve: writing buffer data to disk failed ({exc}); stopping"
-    log.critical("storage I/O error, stopping", extra={"kv": {"error": exc}})
-    print(message, file=sys.stderr, flush=True)
-    os._exit(EXIT_STORAGE_ERROR)
 
 
 def run(cfg: ServeConfig) -> int:

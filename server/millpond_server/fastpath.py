@@ -26,9 +26,16 @@ from typing import Any
 import numpy as np
 
 from millpond.core.buffer import check_batch_size, check_seed
-from millpond.errors import InternalError, InvalidArgumentError, ReplayError, SharedMemoryError
+from millpond.errors import (
+    InternalError,
+    InvalidArgumentError,
+    ReplayError,
+    SharedMemoryError,
+    StorageIOError,
+)
 from millpond.shm import memfd, protocol
 
+from .fatal import fatal_storage_error
 from .registry import Registry
 
 log = logging.getLogger("millpond.fastpath")
@@ -166,6 +173,8 @@ class Session(threading.Thread):
             if handler is None:
                 raise InvalidArgumentError(f"unknown fast-path op {message.get('op')!r}")
             return handler(message, fds)
+        except StorageIOError as exc:
+            fatal_storage_error(exc)
         except ReplayError as exc:
             return protocol.error_reply(exc), []
         except Exception as exc:  # a bug, not the client's fault: report, keep serving

@@ -26,7 +26,7 @@ from typing import Callable
 import grpc
 
 from millpond.core import Schema, TieredBuffer
-from millpond.errors import InternalError, MessageTooLargeError, ReplayError
+from millpond.errors import InternalError, MessageTooLargeError, ReplayError, StorageIOError
 from millpond.shm.protocol import read_boot_id
 from millpond.v1 import replay_pb2 as pb
 from millpond.wire.codec import decode_batch, decode_config, encode_config
@@ -41,6 +41,7 @@ from millpond.wire.frames import (
 from millpond.wire.status import ERROR_CODE_KEY, status_for
 
 from .fastpath import FastPathServer
+from .fatal import fatal_storage_error
 from .registry import Registry, check_name
 
 log = logging.getLogger("millpond.service")
@@ -60,6 +61,8 @@ def _rpc(method: Callable) -> Callable:
                                 trailing_metadata=((ERROR_CODE_KEY, "UNAVAILABLE"),))
         try:
             return await method(self, request, context)
+        except StorageIOError as exc:
+            fatal_storage_error(exc)
         except ReplayError as exc:
             status, code = status_for(exc)
             await context.abort(status, str(exc), trailing_metadata=((ERROR_CODE_KEY, code),))

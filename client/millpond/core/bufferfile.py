@@ -41,7 +41,7 @@ import zlib
 
 import numpy as np
 
-from ..errors import CorruptFileError, InvalidConfigError, StorageFullError
+from ..errors import CorruptFileError, InvalidConfigError, StorageFullError, StorageIOError
 from .schema import Schema
 from .tier import SEQ_DTYPE, Tier
 
@@ -187,9 +187,16 @@ class BufferFile:
         self.pushed, self.first, self.hot_lo = pushed, first, hot_lo
 
     def sync(self) -> None:
-        """Write dirty pages to disk and wait (msync). An error here is fatal to the caller."""
+        """Write dirty pages to disk and wait (msync).
+
+        Raises StorageIOError on failure: the kernel may already have dropped
+        the pages it could not write, so a retry would report a false success.
+        """
         if self._mm is not None:
-            self._mm.flush()
+            try:
+                self._mm.flush()
+            except OSError as exc:
+                raise StorageIOError(f"msync of {self.path} failed: {exc}") from exc
 
     def close(self, delete: bool) -> None:
         """Unmap and close; remove the file when ``delete``. Idempotent."""

@@ -24,6 +24,7 @@ STATUS_BY_ERROR: dict[type[e.ReplayError], grpc.StatusCode] = {
     e.StorageFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     e.MessageTooLargeError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     e.CorruptFileError: grpc.StatusCode.DATA_LOSS,
+    e.StorageIOError: grpc.StatusCode.DATA_LOSS,
     e.DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     e.ServerUnavailableError: grpc.StatusCode.UNAVAILABLE,
     e.InternalError: grpc.StatusCode.INTERNAL,
