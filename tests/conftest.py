@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from support import ServerProcess
@@ -17,3 +19,21 @@ def shared_server(tmp_path_factory):
     """One daemon for a whole test module (for suites of many small tests)."""
     with ServerProcess(tmp_path_factory.mktemp("srv") / "data") as proc:
         yield proc
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """An 8 MB tmpfs (needs root); skipped where it cannot be mounted."""
+    mnt = tmp_path / "small_fs"
+    mnt.mkdir()
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+            check=True, capture_output=True, timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a small tmpfs here ({exc}); needs root")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True, timeout=10)

@@ -7,7 +7,6 @@ import json
 import mmap
 import os
 import struct
-import subprocess
 import tempfile
 
 import numpy as np
@@ -216,24 +215,6 @@ def test_dropped_buffer_removes_its_cold_file(tmp_path):
 
 
 # ---- a full disk -------------------------------------------------------------
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """An 8 MB tmpfs (needs root); skipped where it cannot be mounted."""
-    mnt = tmp_path / "small_fs"
-    mnt.mkdir()
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-            check=True, capture_output=True, timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot mount a small tmpfs here ({exc}); needs root")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False, capture_output=True, timeout=10)
 
 
 def test_too_large_capacity_fails_at_creation(small_fs):

@@ -194,3 +194,26 @@ def test_damaged_files_are_refused_clearly(tmp_path):
     TieredBuffer(Schema.transition(2, 1), 3, 10, not_persistent).release()
     with pytest.raises(millpond.CorruptFileError, match="non-persistent"):
         TieredBuffer.open(not_persistent)
+
+
+def test_a_full_disk_refuses_new_buffers_and_never_kills_the_daemon(small_fs):
+    with ServerProcess(small_fs / "data") as server:
+        client = millpond.connect(server.address)
+        buf = client.create_buffer("fits", hot_capacity=100, total_capacity=20_000,
+                                   obs_dim=4, act_dim=1)  # about 1 MB, preallocated
+        with pytest.raises(millpond.StorageFullError):  # RESOURCE_EXHAUSTED
+            client.create_buffer("huge", hot_capacity=100, total_capacity=2_000_000,
+                                 obs_dim=4, act_dim=1)
+        assert not (small_fs / "data" / "huge.buffer").exists()  # no partial file
+        filler = small_fs / "filler"
+        with open(filler, "wb") as f:  # now use up every byte left
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+        for start in range(0, 30_000, 3_000):  # the buffer keeps taking pushes and samples
+            buf.push_batch(**transitions(start, 3_000, obs_dim=4))
+            assert buf.sample(256)["obs"].shape == (256, 4)
+        assert len(buf) == 20_000 and server.proc.poll() is None
