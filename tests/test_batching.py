@@ -27,6 +27,7 @@ from millpond.errors import (
     ServerUnavailableError,
     ShapeMismatchError,
 )
+from support import wait_until
 
 DEADLINE = 10.0
 THREAD_NAME = "millpond-push-batcher"
@@ -53,15 +54,6 @@ def rec(i: int) -> dict:
         "truncated": i % 5 == 0,
         "id": np.int64(i),
     }
-
-
-def wait_until(predicate, timeout: float = DEADLINE) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.002)
-    return predicate()
 
 
 class Sink:

@@ -22,18 +22,10 @@ from millpond.errors import (
     NotEnoughDataError,
 )
 from millpond.sampler import THREAD_NAME, Sampler
+from support import wait_until
 
 DEADLINE = 10.0
 SCHEMA = Schema.transition(4, 1)
-
-
-def wait_until(predicate, timeout: float = DEADLINE) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.002)
-    return predicate()
 
 
 _EXISTING: set = set()
