@@ -68,7 +68,8 @@ async def serve(cfg: ServeConfig) -> int:
     "serving on" line printed.
     """
     malloc_tuned = tune_malloc_for_large_messages()
-    registry = Registry(cfg.data_dir, sync_every_push=cfg.sync == "always")
+    registry = Registry(cfg.data_dir, sync_every_push=cfg.sync == "always",
+                        skip_corrupt=cfg.recover == "skip-corrupt")
     fastpath, off_reason = start_fastpath(cfg, registry)
     executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="millpond-engine")
     server = grpc.aio.server(options=grpc_options(cfg))

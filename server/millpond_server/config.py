@@ -123,6 +123,13 @@ def _sync_policy(text: str) -> str:
     return value
 
 
+def _recover_policy(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("fail", "skip-corrupt"):
+        raise ValueError(f"must be fail or skip-corrupt, got {text!r}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -146,6 +153,8 @@ SERVE_OPTIONS = (
     Option("sync", _sync_policy, "interval",
            "when buffer files reach the disk: none, interval (every --sync-interval s), always"),
     Option("sync_interval", _positive_float, 1.0, "seconds between syncs with --sync interval"),
+    Option("recover", _recover_policy, "fail",
+           "damaged records at start-up: fail (name them, exit) or skip-corrupt (serve the rest)"),
     Option("shm", _bool, True, "offer the same-host shared-memory fast path (--no-shm: off)"),
     Option("shm_group", _group_ids, None, "groups (names or gids) also allowed on the fast path"),
     Option("shm_max_mb", _positive_int, 8192, "shared memory one fast-path client may hold, MiB"),
@@ -164,6 +173,7 @@ class ServeConfig:
     log_level: str = "WARNING"
     sync: str = "interval"
     sync_interval: float = 1.0
+    recover: str = "fail"
     shm: bool = True
     shm_group: frozenset[int] = frozenset()
     shm_max_mb: int = 8192

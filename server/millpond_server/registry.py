@@ -51,11 +51,13 @@ class Registry:
     second daemon out (it would corrupt the files).
     """
 
-    def __init__(self, data_dir: str | Path, sync_every_push: bool = False):
+    def __init__(self, data_dir: str | Path, sync_every_push: bool = False,
+                 skip_corrupt: bool = False):
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock_directory(self.data_dir)
         self.sync_every_push = sync_every_push
+        self.skip_corrupt = skip_corrupt
         self._buffers: dict[str, TieredBuffer] = {}
         self._lock = threading.Lock()         # guards _buffers; held briefly
         self._create_lock = threading.Lock()  # serializes creations
@@ -76,9 +78,13 @@ class Registry:
             log.info("recovering buffer", extra={"kv": {
                 "buffer": name, "progress": f"{i}/{len(paths)}",
                 "bytes": path.stat().st_size}})
-            buffer = TieredBuffer.open(path, sync_every_push=self.sync_every_push)
+            buffer = TieredBuffer.open(path, sync_every_push=self.sync_every_push,
+                                       skip_corrupt=self.skip_corrupt)
             with self._lock:
                 self._buffers[name] = buffer
+            if buffer.damaged:
+                log.warning("damaged records left out", extra={"kv": {
+                    "buffer": name, "damaged": buffer.damaged, "intact": len(buffer)}})
             log.info("buffer recovered", extra={"kv": {
                 "buffer": name, "records": len(buffer), "pushed": buffer.pushed}})
         return len(paths)

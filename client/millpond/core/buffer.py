@@ -84,11 +84,15 @@ class TieredBuffer:
         self._setup(schema, hot, total, file, sync_every_push)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, sync_every_push: bool = False) -> "TieredBuffer":
+    def open(cls, path: str | os.PathLike, *, sync_every_push: bool = False,
+             skip_corrupt: bool = False) -> "TieredBuffer":
         """Reopen a persistent buffer's file with its records, counters and configuration.
 
-        Raises CorruptFileError for a file that is not a sound persistent
-        millpond buffer file.
+        Every live record is checked (seq and checksum). Raises
+        CorruptFileError for a file that is not a sound persistent millpond
+        buffer file, or that holds damaged records, unless ``skip_corrupt``:
+        then the damaged records are left out (never served) and counted in
+        ``damaged``.
         """
         file = BufferFile.open(os.fspath(path))
         if not file.meta["persistent"]:
@@ -100,25 +104,24 @@ class TieredBuffer:
         buffer._setup(file.schema, file.meta["hot_capacity"], file.meta["total_capacity"],
                       file, sync_every_push)
         buffer._pushed, buffer._first, buffer._hot_lo = file.pushed, file.first, file.hot_lo
-        buffer._check_recovered()
+        buffer._check_records(skip_corrupt)
         return buffer
 
-    def _check_recovered(self) -> None:
-        """Every live slot must hold the record the counters say (seq check)."""
-        damaged = 0
-        for tier, lo, hi in ((self._hot, self._hot_lo, self._pushed),
-                             (self._cold, self._first, self._hot_lo)):
-            if tier is None or lo == hi:
-                continue
-            seqs = np.arange(lo, hi, dtype=np.int64)
-            held = tier.seq[seqs % tier.capacity]
-            damaged += int(np.count_nonzero(held != (seqs & 0xFFFFFFFF).astype(held.dtype)))
-        if damaged:
+    def _check_records(self, skip_corrupt: bool) -> None:
+        """Find live records whose slot fails its seq or checksum check."""
+        bad = [self._hot.damaged(self._hot_lo, self._pushed)]
+        if self._cold is not None:
+            bad.append(self._cold.damaged(self._first, self._hot_lo))
+        bad = np.sort(np.concatenate(bad))
+        if len(bad) and not skip_corrupt:
+            live = self._pushed - self._first
             self._file.close(delete=False)
             raise CorruptFileError(
-                f"{self._file.path}: {damaged:,} of {self._size():,} live records are not "
-                "in the slots the counters name (damaged file)"
+                f"{self._file.path}: {len(bad):,} of {live:,} live records fail their checks "
+                f"(seqs {bad[:5].tolist()}{'...' if len(bad) > 5 else ''}); "
+                "--recover=skip-corrupt serves the intact ones"
             )
+        self._holes = bad
 
     def _setup(self, schema: Schema, hot: int, total: int, file: BufferFile | None,
                sync_every_push: bool) -> None:
@@ -128,6 +131,8 @@ class TieredBuffer:
         self._lock = threading.Lock()
         # Live records are seqs [_first, _pushed); those from _hot_lo on are hot.
         self._pushed = self._first = self._hot_lo = 0
+        # Damaged records found at reopen (skip_corrupt): live seqs never served.
+        self._holes = np.empty(0, np.int64)
         self._closed = False
         self._rng = np.random.default_rng()
         self._file = file
@@ -163,7 +168,12 @@ class TieredBuffer:
         return self._size()
 
     def _size(self) -> int:
-        return self._pushed - self._first
+        return self._pushed - self._first - len(self._holes)
+
+    @property
+    def damaged(self) -> int:
+        """Live records left out because they failed their checks at reopen."""
+        return len(self._holes)
 
     @property
     def hot_len(self) -> int:
@@ -244,6 +254,8 @@ class TieredBuffer:
         first = min(first, pushed)
         hot_lo = min(max(hot_lo, first), pushed)
         self._pushed, self._first, self._hot_lo = pushed, first, hot_lo
+        if len(self._holes):  # damaged records leave with the evicted ones
+            self._holes = self._holes[self._holes >= first]
         if self._file is not None and (self.persistent or final):
             self._file.commit(pushed, first, hot_lo)
             if self._sync_every_push:
@@ -276,13 +288,19 @@ class TieredBuffer:
             # a fresh one costs more than sampling 256 small records.
             rng = self._rng if seed is None else np.random.default_rng(seed)
             seqs = rng.integers(self._first, self._pushed, size=batch_size)
+            if len(self._holes):  # redraw any damaged record: uniform over the intact
+                hit = np.isin(seqs, self._holes)
+                while hit.any():
+                    seqs[hit] = rng.integers(self._first, self._pushed, size=int(hit.sum()))
+                    hit = np.isin(seqs, self._holes)
             return self._gather(seqs, out)
 
     def contents(self) -> dict[str, np.ndarray]:
         """Every live record, oldest first (a copy): for export, checks and tests."""
         with self._lock:
             self._check_open()
-            return self._gather(np.arange(self._first, self._pushed), None)
+            seqs = np.arange(self._first, self._pushed)
+            return self._gather(np.setdiff1d(seqs, self._holes, assume_unique=True), None)
 
     def _gather(self, seqs: np.ndarray, out: Mapping[str, np.ndarray] | None) -> dict:
         """Copy live records ``seqs`` into ``out``: cold ones first, then hot (lock held)."""

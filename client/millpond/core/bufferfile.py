@@ -43,6 +43,7 @@ import numpy as np
 
 from ..errors import CorruptFileError, InvalidConfigError, StorageFullError, StorageIOError
 from .schema import Schema
+from .checksum import CHECKSUM_DTYPE
 from .tier import SEQ_DTYPE, Tier
 
 MAGIC = b"MILLPOND"
@@ -56,6 +57,7 @@ _JSON_OFFSET = 128
 # Not a Python identifier, so no field name (fields must be identifiers) can
 # collide with it in the region table.
 SEQ_REGION = "#seq"
+CHECKSUM_REGION = "#checksum"
 HOT_PREFIX = "hot:"
 
 
@@ -63,9 +65,13 @@ def _round_up(n: int, to: int = PAGE) -> int:
     return -(-n // to) * to
 
 
-def _region_sizes(schema: Schema, capacity: int, prefix: str) -> list[tuple[str, int]]:
+def _region_sizes(schema: Schema, capacity: int, prefix: str,
+                  checksums: bool) -> list[tuple[str, int]]:
     sizes = [(prefix + f.name, capacity * f.nbytes) for f in schema]
-    return sizes + [(prefix + SEQ_REGION, capacity * SEQ_DTYPE.itemsize)]
+    sizes.append((prefix + SEQ_REGION, capacity * SEQ_DTYPE.itemsize))
+    if checksums:
+        sizes.append((prefix + CHECKSUM_REGION, capacity * CHECKSUM_DTYPE.itemsize))
+    return sizes
 
 
 def _layout(sizes: list[tuple[str, int]], meta: dict) -> tuple[int, dict, int]:
@@ -124,9 +130,10 @@ class BufferFile:
             "cold_capacity": cold_capacity,
             "persistent": persistent,
         }
-        sizes = _region_sizes(schema, cold_capacity, "") if cold_capacity else []
+        # Only a persistent file is ever reopened: only it needs checksums.
+        sizes = _region_sizes(schema, cold_capacity, "", persistent) if cold_capacity else []
         if persistent:
-            sizes += _region_sizes(schema, hot_capacity, HOT_PREFIX)
+            sizes += _region_sizes(schema, hot_capacity, HOT_PREFIX, True)
         header, regions, size = _layout(sizes, meta)
         meta["regions"] = regions
         try:
@@ -254,7 +261,9 @@ def _map_tier(mm: mmap.mmap, schema: Schema, capacity: int, regions: dict, prefi
         return np.frombuffer(mm, dtype, count, offset).reshape((capacity,) + shape)
 
     columns = {f.name: view(f.name, f.dtype, f.shape) for f in schema}
-    return Tier(capacity, columns, view(SEQ_REGION, SEQ_DTYPE, ()))
+    checksum = (view(CHECKSUM_REGION, CHECKSUM_DTYPE, ())
+                if prefix + CHECKSUM_REGION in regions else None)
+    return Tier(capacity, columns, view(SEQ_REGION, SEQ_DTYPE, ()), checksum)
 
 
 def _allocate(fd: int, size: int, path: str) -> None:

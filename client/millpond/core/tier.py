@@ -12,6 +12,7 @@ from typing import Mapping
 
 import numpy as np
 
+from .checksum import record_checksums
 from .ring import ring_chunks
 from .schema import Schema
 
@@ -28,12 +29,17 @@ class Tier:
     (memory and fresh files start zeroed, and touching them up front would
     make every page resident), so which slots are live always comes from
     the buffer's counters first; the seq column confirms it.
+
+    A tier in a persistent file also has a ``checksum`` column (see
+    :mod:`.checksum`), written after the record's payload and seq.
     """
 
-    def __init__(self, capacity: int, columns: dict[str, np.ndarray], seq: np.ndarray):
+    def __init__(self, capacity: int, columns: dict[str, np.ndarray], seq: np.ndarray,
+                 checksum: np.ndarray | None = None):
         self.capacity = capacity
         self.columns = columns
         self.seq = seq
+        self.checksum = checksum
 
     @classmethod
     def in_memory(cls, schema: Schema, capacity: int) -> "Tier":
@@ -47,7 +53,11 @@ class Tier:
             slot, row = lo % self.capacity, lo - first_seq
             for name, column in self.columns.items():
                 column[slot : slot + hi - lo] = batch[name][row : row + hi - lo]
-            self.seq[slot : slot + hi - lo] = np.arange(lo, hi, dtype=np.uint64).astype(SEQ_DTYPE)
+            seqs = np.arange(lo, hi, dtype=np.uint64)
+            self.seq[slot : slot + hi - lo] = seqs.astype(SEQ_DTYPE)
+            if self.checksum is not None:  # over the stored bytes, after them
+                stored = {name: column[slot : slot + hi - lo] for name, column in self.columns.items()}
+                self.checksum[slot : slot + hi - lo] = record_checksums(stored, seqs)
 
     def copy_to(self, other: "Tier", start: int, stop: int) -> None:
         """Copy records ``start..stop-1`` (all held here) into ``other``."""
@@ -56,6 +66,12 @@ class Tier:
             for name, column in self.columns.items():
                 other.columns[name][dst : dst + k] = column[src : src + k]
             other.seq[dst : dst + k] = self.seq[src : src + k]
+            if other.checksum is not None:
+                other.checksum[dst : dst + k] = (
+                    self.checksum[src : src + k] if self.checksum is not None
+                    else record_checksums({n: c[dst : dst + k] for n, c in other.columns.items()},
+                                          np.arange(lo, hi, dtype=np.uint64))
+                )
 
     def gather(self, seqs: np.ndarray, out: Mapping[str, np.ndarray], row: int) -> None:
         """Copy records ``seqs`` (all held here) into ``out[name][row:row+len(seqs)]``."""
@@ -68,7 +84,25 @@ class Tier:
             # slots are in range by construction.
             column.take(slots, axis=0, out=out[name][row:stop], mode="clip")
 
+    def damaged(self, lo: int, hi: int, chunk: int = 1 << 16) -> np.ndarray:
+        """Seqs in ``[lo, hi)`` (all meant to be held here) whose slot fails its checks.
+
+        A slot fails if its seq column names another record, or (with a
+        checksum column) if its bytes do not match their checksum.
+        """
+        bad = []
+        for start in range(lo, hi, chunk):
+            seqs = np.arange(start, min(hi, start + chunk), dtype=np.int64)
+            slots = seqs % self.capacity
+            wrong = self.seq[slots] != (seqs & 0xFFFFFFFF).astype(SEQ_DTYPE)
+            if self.checksum is not None:
+                stored = {name: column[slots] for name, column in self.columns.items()}
+                wrong |= self.checksum[slots] != record_checksums(stored, seqs)
+            bad.append(seqs[wrong])
+        return np.concatenate(bad) if bad else np.empty(0, np.int64)
+
     def release(self) -> None:
         """Drop every reference to the tier's memory (needed before unmapping)."""
         self.columns = {}
         self.seq = np.empty(0, SEQ_DTYPE)
+        self.checksum = None
