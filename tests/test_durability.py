@@ -268,3 +268,16 @@ def test_the_daemon_names_damage_and_skip_corrupt_serves_the_rest(tmp_path):
         buf = millpond.connect(server.address).buffer("hurt")
         assert len(buf) == 39
         assert valid(buf.sample(39, seed=1)).all()
+
+
+def test_reopening_reports_progress_as_it_checks(tmp_path):
+    path = tmp_path / "big.buffer"
+    buf = TieredBuffer(Schema.transition(4, 1), 1_000, 300_000, path, persistent=True)
+    buf.push_batch(transitions(0, 300_000, obs_dim=4))
+    buf.release()
+    seen = []
+    again = TieredBuffer.open(path, progress=lambda checked, live: seen.append((checked, live)))
+    assert len(again) == 300_000
+    assert len(seen) >= 4 and all(live == 300_000 for _, live in seen)
+    assert [checked for checked, _ in seen] == sorted(checked for checked, _ in seen)
+    again.release()

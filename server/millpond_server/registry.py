@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 from millpond.core import Schema, TieredBuffer
@@ -79,7 +80,8 @@ class Registry:
                 "buffer": name, "progress": f"{i}/{len(paths)}",
                 "bytes": path.stat().st_size}})
             buffer = TieredBuffer.open(path, sync_every_push=self.sync_every_push,
-                                       skip_corrupt=self.skip_corrupt)
+                                       skip_corrupt=self.skip_corrupt,
+                                       progress=_progress_logger(name))
             with self._lock:
                 self._buffers[name] = buffer
             if buffer.damaged:
@@ -171,3 +173,17 @@ def _lock_directory(data_dir: Path) -> int:
             f"data directory {data_dir} is in use by another millpond daemon"
         ) from None
     return fd
+
+
+def _progress_logger(name: str, every: float = 2.0):
+    """A progress callback that logs at most every ``every`` seconds."""
+    last = [time.monotonic()]
+
+    def report(checked: int, live: int) -> None:
+        if time.monotonic() - last[0] >= every:
+            last[0] = time.monotonic()
+            log.info("checking records", extra={"kv": {
+                "buffer": name, "checked": checked, "live": live,
+                "percent": round(100 * checked / max(live, 1))}})
+
+    return report

@@ -85,14 +85,15 @@ class TieredBuffer:
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, sync_every_push: bool = False,
-             skip_corrupt: bool = False) -> "TieredBuffer":
+             skip_corrupt: bool = False, progress=None) -> "TieredBuffer":
         """Reopen a persistent buffer's file with its records, counters and configuration.
 
         Every live record is checked (seq and checksum). Raises
         CorruptFileError for a file that is not a sound persistent millpond
         buffer file, or that holds damaged records, unless ``skip_corrupt``:
         then the damaged records are left out (never served) and counted in
-        ``damaged``.
+        ``damaged``. ``progress(checked, live)`` reports the check as it goes
+        (a large buffer takes a while: an operator must tell that from a hang).
         """
         file = BufferFile.open(os.fspath(path))
         if not file.meta["persistent"]:
@@ -104,17 +105,22 @@ class TieredBuffer:
         buffer._setup(file.schema, file.meta["hot_capacity"], file.meta["total_capacity"],
                       file, sync_every_push)
         buffer._pushed, buffer._first, buffer._hot_lo = file.pushed, file.first, file.hot_lo
-        buffer._check_records(skip_corrupt)
+        buffer._check_records(skip_corrupt, progress)
         return buffer
 
-    def _check_records(self, skip_corrupt: bool) -> None:
+    def _check_records(self, skip_corrupt: bool, progress=None) -> None:
         """Find live records whose slot fails its seq or checksum check."""
-        bad = [self._hot.damaged(self._hot_lo, self._pushed)]
+        live = self._pushed - self._first
+        cold_live = self._hot_lo - self._first
+        report = (lambda done: progress(done, live)) if progress else None
+        bad = []
         if self._cold is not None:
-            bad.append(self._cold.damaged(self._first, self._hot_lo))
+            bad.append(self._cold.damaged(self._first, self._hot_lo, report))
+        bad.append(self._hot.damaged(
+            self._hot_lo, self._pushed,
+            (lambda done: progress(cold_live + done, live)) if progress else None))
         bad = np.sort(np.concatenate(bad))
         if len(bad) and not skip_corrupt:
-            live = self._pushed - self._first
             self._file.close(delete=False)
             raise CorruptFileError(
                 f"{self._file.path}: {len(bad):,} of {live:,} live records fail their checks "

@@ -84,14 +84,17 @@ class Tier:
             # slots are in range by construction.
             column.take(slots, axis=0, out=out[name][row:stop], mode="clip")
 
-    def damaged(self, lo: int, hi: int, chunk: int = 1 << 16) -> np.ndarray:
+    def damaged(self, lo: int, hi: int, progress=None, chunk: int = 1 << 16) -> np.ndarray:
         """Seqs in ``[lo, hi)`` (all meant to be held here) whose slot fails its checks.
 
         A slot fails if its seq column names another record, or (with a
         checksum column) if its bytes do not match their checksum.
+        ``progress(records_checked)`` is called after every chunk.
         """
         bad = []
         for start in range(lo, hi, chunk):
+            if progress is not None and start > lo:
+                progress(start - lo)
             seqs = np.arange(start, min(hi, start + chunk), dtype=np.int64)
             slots = seqs % self.capacity
             wrong = self.seq[slots] != (seqs & 0xFFFFFFFF).astype(SEQ_DTYPE)
