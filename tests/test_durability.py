@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import socket as socketlib
 import struct
+import subprocess
+import sys
 import threading
+import time
 import zlib
 
+import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import millpond
 from millpond.core import Schema, TieredBuffer
@@ -221,8 +228,6 @@ def test_a_full_disk_refuses_new_buffers_and_never_kills_the_daemon(small_fs):
 
 def flip_byte(path, field: str, slot: int, hot: bool) -> None:
     """Flip one byte of one record's ``field`` in a buffer file (a bad sector, a bit rot)."""
-    import json
-
     raw = bytearray(path.read_bytes())
     length = struct.unpack_from("<I", raw, 16)[0]  # see core/bufferfile.py
     meta = json.loads(bytes(raw[128 : 128 + length]))
@@ -281,3 +286,35 @@ def test_reopening_reports_progress_as_it_checks(tmp_path):
     assert len(seen) >= 4 and all(live == 300_000 for _, live in seen)
     assert [checked for checked, _ in seen] == sorted(checked for checked, _ in seen)
     again.release()
+
+
+def test_health_is_not_serving_until_recovery_is_done(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    big = TieredBuffer(Schema.transition(4, 1), 1_000, 4_000_000, data / "big.buffer",
+                       persistent=True)
+    for i in range(20):  # 4M records: checking them takes a noticeable moment
+        big.push_batch(transitions(i * 200_000, 200_000, obs_dim=4))
+    big.release()
+    with socketlib.socket() as probe:  # a free port, known before the daemon is ready
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "millpond_server", "serve", "--port", str(port),
+                             "--data-dir", str(data)], stdout=subprocess.PIPE, text=True)
+    seen = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and "SERVING" not in seen:
+                try:
+                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+                except grpc.RpcError:
+                    pass  # not listening yet
+        assert seen and seen[-1] == "SERVING"
+        assert "NOT_SERVING" in seen, seen[:3]
+        assert proc.stdout.readline().startswith("serving on")
+    finally:
+        proc.terminate()
+        proc.wait(30)
