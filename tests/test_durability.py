@@ -303,7 +303,9 @@ def test_health_is_not_serving_until_recovery_is_done(tmp_path):
                              "--data-dir", str(data)], stdout=subprocess.PIPE, text=True)
     seen = []
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        fast_retry = [("grpc.initial_reconnect_backoff_ms", 10),
+                      ("grpc.min_reconnect_backoff_ms", 10), ("grpc.max_reconnect_backoff_ms", 50)]
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=fast_retry) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and "SERVING" not in seen:
