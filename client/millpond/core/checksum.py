@@ -28,15 +28,28 @@ def record_checksums(columns: Mapping[str, np.ndarray], seqs: np.ndarray) -> np.
     k = len(seqs)
     acc = np.zeros(k, np.uint64)
     for column in columns.values():
-        raw = np.ascontiguousarray(column).reshape(k, -1).view(np.uint8)
-        whole = raw.shape[1] // 8 * 8
-        if whole:
-            acc ^= np.bitwise_xor.reduce(raw[:, :whole].view(np.uint64), axis=1)
-        if raw.shape[1] > whole:  # the last < 8 bytes, packed into one word
-            shifts = np.arange(raw.shape[1] - whole, dtype=np.uint64) * np.uint64(8)
-            acc ^= (raw[:, whole:].astype(np.uint64) << shifts).sum(axis=1, dtype=np.uint64)
+        acc ^= _fold(np.ascontiguousarray(column).reshape(k, -1).view(np.uint8))
         acc = _rotl(acc, 7)
     acc ^= np.asarray(seqs).astype(np.uint64) * _GOLDEN
     acc ^= acc >> np.uint64(32)
     acc ^= acc >> np.uint64(16)
     return (acc & np.uint64(0xFFFF)).astype(CHECKSUM_DTYPE)
+
+
+def _fold(raw: np.ndarray) -> np.ndarray:
+    """XOR of each row's 64-bit words (the last < 8 bytes packed into one word)."""
+    k, nbytes = raw.shape
+    whole = nbytes // 8 * 8
+    words = raw[:, :whole].view(np.uint64)
+    if whole // 8 > _SHORT_ROW:  # long rows: numpy reduces along the row fast
+        acc = np.bitwise_xor.reduce(words, axis=1)
+    else:  # short rows: a reduce per row costs more than a few whole-column XORs
+        acc = np.zeros(k, np.uint64)
+        for j in range(whole // 8):
+            acc ^= words[:, j]
+    for b in range(whole, nbytes):
+        acc ^= raw[:, b].astype(np.uint64) << np.uint64(8 * (b - whole))
+    return acc
+
+
+_SHORT_ROW = 16  # words
