@@ -11,7 +11,7 @@ Remote (same methods, same results, same exceptions)::
                                     address="localhost:50051", name="cartpole")
 """
 
-from .api import Buffer, MmapReplayBuffer, ReplayBuffer
+from .api import Buffer, MmapReplayBuffer, PrioritizedReplayBuffer, ReplayBuffer
 from .client import Client, connect
 from .core import Field, Schema
 from .errors import (

@@ -18,7 +18,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from .core import Schema, TieredBuffer
-from .errors import ConfigMismatchError, FieldMismatchError
+from .core.prioritized import PrioritizedTieredBuffer
+from .errors import ConfigMismatchError, FieldMismatchError, InvalidConfigError
 from .sampler import Sampler
 
 # The reference's positional order for push and push_batch of transitions,
@@ -257,3 +258,57 @@ class MmapReplayBuffer(Buffer):
         buffer = cls.__new__(cls)
         Buffer.__init__(buffer, backend)
         return buffer
+
+
+class PrioritizedReplayBuffer(Buffer):
+    """Proportional prioritized replay (sum tree), over RAM or hot + cold tiers.
+
+    ``PrioritizedReplayBuffer(capacity, obs_dim, act_dim, alpha, beta)`` keeps
+    everything in RAM; with ``hot_capacity=``, ``total_capacity=`` and
+    ``cold_path=`` older records spill to the cold file and keep their
+    priorities. ``push(..., priority=p)`` (default: the largest priority seen
+    so far); ``sample`` adds ``weights`` and ``indices``;
+    ``update_priorities(indices, priorities)`` ignores records evicted since
+    they were sampled; ``set_beta(b)`` anneals the importance weights.
+    Remote (``address=``) prioritized buffers are not available yet.
+    """
+
+    def __init__(
+        self,
+        capacity: int | None = None,
+        obs_dim: int | None = None,
+        act_dim: int | None = None,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        *,
+        hot_capacity: int | None = None,
+        total_capacity: int | None = None,
+        cold_path: str | os.PathLike | None = None,
+        fields: Mapping[str, Any] | None = None,
+        address: str | None = None,
+        name: str | None = None,
+    ):
+        if address is not None:
+            raise InvalidConfigError("remote prioritized buffers are not available yet")
+        schema = Schema.resolve(obs_dim, act_dim, fields)
+        if capacity is not None:
+            if hot_capacity is not None or total_capacity is not None:
+                raise InvalidConfigError("give capacity= or hot_capacity=/total_capacity=, not both")
+            hot_capacity = total_capacity = capacity
+        super().__init__(PrioritizedTieredBuffer(schema, hot_capacity, total_capacity, cold_path,
+                                                 alpha=alpha, beta=beta))
+
+    def push(self, *args: Any, priority: float | None = None, **kwargs: Any) -> None:
+        """``push(obs, action, reward, terminated, truncated, next_obs, priority=None)``."""
+        self._backend.push(self._bind(_PUSH_ORDER, args, kwargs), priority)
+
+    def push_batch(self, *args: Any, priorities: Any = None, **kwargs: Any) -> None:
+        """Like :meth:`Buffer.push_batch`, with one priority per record (optional)."""
+        self._backend.push_batch(self._bind(_PUSH_BATCH_ORDER, args, kwargs), priorities)
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        """New priorities for sampled ``indices``; returns how many were still live."""
+        return self._backend.update_priorities(indices, priorities)
+
+    def set_beta(self, beta: float) -> None:
+        self._backend.set_beta(beta)

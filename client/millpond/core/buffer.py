@@ -134,7 +134,8 @@ class TieredBuffer:
         self.schema = schema
         self.hot_capacity = hot
         self.total_capacity = total
-        self._lock = threading.Lock()
+        # Reentrant: a subclass (prioritized) wraps a push in the same lock.
+        self._lock = threading.RLock()
         # Live records are seqs [_first, _pushed); those from _hot_lo on are hot.
         self._pushed = self._first = self._hot_lo = 0
         # Damaged records found at reopen (skip_corrupt): live seqs never served.
@@ -254,6 +255,10 @@ class TieredBuffer:
         self._commit(old, first, hot_lo)  # (2) spilled records now read from cold
         self._hot.write(max(old, hot_lo), new, batch, old)
         self._commit(new, first, hot_lo, final=True)  # (3) the push is in
+        self._appended(old, new)
+
+    def _appended(self, old: int, new: int) -> None:
+        """Hook after records ``old..new-1`` became live (lock held); nothing here."""
 
     def _commit(self, pushed: int, first: int, hot_lo: int, final: bool = False) -> None:
         """Adopt the live ranges; record them in the file if persistent (or ``final``)."""
@@ -293,13 +298,21 @@ class TieredBuffer:
             # Unseeded draws share one generator (guarded by the lock): making
             # a fresh one costs more than sampling 256 small records.
             rng = self._rng if seed is None else np.random.default_rng(seed)
-            seqs = rng.integers(self._first, self._pushed, size=batch_size)
-            if len(self._holes):  # redraw any damaged record: uniform over the intact
+            seqs, extras = self._draw(rng, batch_size)
+            if extras:  # rows come back cold first, then hot: keep extras in step
+                order = np.argsort(seqs >= self._hot_lo, kind="stable")
+                seqs, extras = seqs[order], {k: v[order] for k, v in extras.items()}
+            return {**self._gather(seqs, out), **extras}
+
+    def _draw(self, rng: np.random.Generator, batch_size: int) -> tuple[np.ndarray, dict]:
+        """Which live records to sample (lock held); uniform here. Returns (seqs, extra keys)."""
+        seqs = rng.integers(self._first, self._pushed, size=batch_size)
+        if len(self._holes):  # redraw any damaged record: uniform over the intact
+            hit = np.isin(seqs, self._holes)
+            while hit.any():
+                seqs[hit] = rng.integers(self._first, self._pushed, size=int(hit.sum()))
                 hit = np.isin(seqs, self._holes)
-                while hit.any():
-                    seqs[hit] = rng.integers(self._first, self._pushed, size=int(hit.sum()))
-                    hit = np.isin(seqs, self._holes)
-            return self._gather(seqs, out)
+        return seqs, {}
 
     def contents(self) -> dict[str, np.ndarray]:
         """Every live record, oldest first (a copy): for export, checks and tests."""

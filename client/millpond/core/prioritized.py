@@ -1,0 +1,143 @@
+"""Proportional prioritized replay over both tiers.
+
+One :class:`SumTree` leaf per record slot of the whole FIFO: record ``seq``
+owns leaf ``seq % total_capacity``, whichever tier holds it, so a record
+spilled to the cold file keeps its priority and a record that is evicted
+hands its leaf to the record that replaces it. A live seq is recovered from
+its leaf as the one live seq congruent to it.
+
+Sampling draws ``batch_size`` prefix sums and descends the tree for all at
+once; importance weights are ``(N * P(i)) ** -beta`` divided by their
+largest possible value ``(N * P_min) ** -beta``. Priorities are kept in RAM:
+a reopened persistent buffer starts with every record at priority 1.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import InvalidArgumentError, InvalidConfigError
+from .buffer import TieredBuffer
+from .sumtree import SumTree
+
+
+def _check_exponent(label: str, value: Any) -> float:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 <= value < np.inf:
+        raise InvalidConfigError(f"{label} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def check_priorities(priorities: Any, n: int) -> np.ndarray:
+    """``priorities`` as float64[n], or InvalidArgumentError (negative, NaN, inf, shape)."""
+    try:
+        values = np.asarray(priorities, np.float64).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"priorities must be numbers: {exc}") from exc
+    if values.shape != (n,):
+        raise InvalidArgumentError(f"expected {n} priorities, got {values.size}")
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise InvalidArgumentError("priorities must be finite and >= 0 (no NaN, no negatives)")
+    return values
+
+
+class PrioritizedTieredBuffer(TieredBuffer):
+    """A :class:`TieredBuffer` sampled in proportion to ``priority ** alpha``.
+
+    ``sample`` adds ``weights`` (float32 importance weights, max 1) and
+    ``indices`` (the records' seqs, for :meth:`update_priorities`).
+    """
+
+    def __init__(self, *args: Any, alpha: float = 0.6, beta: float = 0.4, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._setup_priorities(alpha, beta)
+
+    @classmethod
+    def open(cls, path, *, alpha: float = 0.6, beta: float = 0.4, **kwargs: Any):
+        buffer = super().open(path, **kwargs)
+        buffer._setup_priorities(alpha, beta)
+        live = np.arange(buffer._first, buffer._pushed)
+        buffer._tree.update(live % buffer.total_capacity, np.ones(len(live)),
+                            unset=np.isin(live, buffer._holes))
+        return buffer
+
+    def _setup_priorities(self, alpha: float, beta: float) -> None:
+        self.alpha = _check_exponent("alpha", alpha)
+        self.beta = _check_exponent("beta", beta)
+        self.max_priority = 1.0
+        self._tree = SumTree(self.total_capacity)
+        self._incoming: np.ndarray | None = None
+
+    # ---- writes ---------------------------------------------------------------
+
+    def push(self, record: Mapping[str, Any], priority: float | None = None) -> None:
+        """Append one record with ``priority`` (default: the largest seen so far)."""
+        prios = None if priority is None else check_priorities([priority], 1)
+        with self._lock:
+            self._incoming = prios
+            try:
+                super().push(record)
+            finally:
+                self._incoming = None
+
+    def push_batch(self, columns: Mapping[str, Any], priorities: Any = None) -> int:
+        """Append a batch with one priority per record (default: the largest seen so far)."""
+        n, _ = self.schema.coerce_batch(columns)  # validate before the priorities need n
+        prios = None if priorities is None else check_priorities(priorities, n)
+        with self._lock:
+            self._incoming = prios
+            try:
+                return super().push_batch(columns)
+            finally:
+                self._incoming = None
+
+    def _appended(self, old: int, new: int) -> None:
+        start = max(old, self._first)
+        if start >= new:
+            return
+        prios = self._incoming
+        values = (np.full(new - start, self.max_priority) if prios is None
+                  else prios[len(prios) - (new - start):])
+        if prios is not None and len(values):
+            self.max_priority = max(self.max_priority, float(values.max()))
+        self._tree.update(np.arange(start, new) % self.total_capacity, values ** self.alpha,
+                          unset=values == 0)  # zero priority: never drawn, not the minimum
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        """Set new priorities for sampled records; returns how many were still live.
+
+        ``indices`` are the ``indices`` a sample returned. Records evicted since
+        then are ignored (their slot may hold a newer record by now).
+        """
+        seqs = np.asarray(indices, np.int64).reshape(-1)
+        values = check_priorities(priorities, len(seqs))
+        with self._lock:
+            self._check_open()
+            live = (seqs >= self._first) & (seqs < self._pushed)
+            if len(self._holes):
+                live &= ~np.isin(seqs, self._holes)
+            if live.any():
+                self._tree.update(seqs[live] % self.total_capacity, values[live] ** self.alpha,
+                                  unset=values[live] == 0)
+                self.max_priority = max(self.max_priority, float(values[live].max()))
+            return int(live.sum())
+
+    def set_beta(self, beta: float) -> None:
+        """Set the importance-sampling exponent (anneal it towards 1)."""
+        self.beta = _check_exponent("beta", beta)
+
+    # ---- reads ----------------------------------------------------------------
+
+    def _draw(self, rng: np.random.Generator, batch_size: int) -> tuple[np.ndarray, dict]:
+        tree, total = self._tree, self._tree.total
+        if not total > 0:  # every priority is zero: nothing is more likely than anything
+            return super()._draw(rng, batch_size)
+        leaves = tree.find(rng.random(batch_size) * total)
+        seqs = self._first + (leaves - self._first) % self.total_capacity
+        n = self._size()
+        probs = tree.get(leaves) / total
+        with np.errstate(divide="ignore"):
+            weights = (n * probs) ** -self.beta / (n * tree.min / total) ** -self.beta
+        return seqs, {"weights": weights.astype(np.float32), "indices": seqs.astype(np.int64)}

@@ -1,0 +1,112 @@
+"""Prioritized replay (in-process): frequencies, weights, updates, across hot and cold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import millpond
+from millpond.core.sumtree import SumTree
+
+
+def tiered(tmp_path, alpha=1.0, beta=1.0, hot=5, total=20):
+    return millpond.PrioritizedReplayBuffer(
+        hot_capacity=hot, total_capacity=total, obs_dim=2, act_dim=1, alpha=alpha, beta=beta,
+        cold_path=tmp_path / "prio.cold",
+    )
+
+
+def push_ids(buf, start, n, priorities=None):
+    ids = np.arange(start, start + n, dtype=np.float32)
+    buf.push_batch(np.repeat(ids[:, None], 2, 1), np.zeros((n, 2)), np.zeros((n, 1)), ids,
+                   np.zeros(n), np.zeros(n), priorities=priorities)
+
+
+def draws(buf, count: int, batch: int) -> np.ndarray:
+    return np.concatenate([buf.sample(batch, seed=s)["rewards"] for s in range(count // batch)])
+
+
+def test_frequencies_follow_priorities_across_hot_and_cold(tmp_path):
+    buf = tiered(tmp_path, alpha=0.7)
+    prios = np.arange(1, 31, dtype=float)
+    push_ids(buf, 0, 30, prios)  # records 10..29 live: 10..24 cold, 25..29 hot
+    assert buf.info()["cold_size"] == 15 and buf.info()["hot_size"] == 5
+    got = np.bincount(draws(buf, 100_000, 20).astype(int), minlength=30)
+    assert got[:10].sum() == 0  # evicted records are never drawn
+    expected = prios[10:] ** 0.7 / (prios[10:] ** 0.7).sum()
+    n = got.sum()
+    sigma = np.sqrt(n * expected * (1 - expected))
+    assert (np.abs(got[10:] - n * expected) < 5 * sigma).all()
+    assert got[10:25].sum() > 0 and got[25:].sum() > 0  # both tiers take part
+
+
+def test_importance_weights_match_the_formula(tmp_path):
+    buf = tiered(tmp_path, alpha=0.5, beta=0.4)
+    prios = np.linspace(0.5, 8.0, 20)
+    push_ids(buf, 0, 20, prios)
+    batch = buf.sample(20, seed=3)
+    p = prios ** 0.5 / (prios ** 0.5).sum()
+    ids = batch["rewards"].astype(int)
+    expected = (20 * p[ids]) ** -0.4 / (20 * p.min()) ** -0.4
+    np.testing.assert_allclose(batch["weights"], expected, rtol=1e-5)
+    np.testing.assert_array_equal(batch["indices"], ids)  # no eviction yet: seq == id
+    buf.set_beta(1.0)
+    again = buf.sample(20, seed=3)
+    np.testing.assert_allclose(again["weights"], (p[ids] / p.min()) ** -1.0, rtol=1e-5)
+
+
+def test_new_records_get_the_largest_priority_seen(tmp_path):
+    buf = tiered(tmp_path)
+    push_ids(buf, 0, 4, [1.0, 1.0, 1.0, 9.0])
+    push_ids(buf, 4, 1)  # default priority: 9
+    got = np.bincount(draws(buf, 40_000, 5).astype(int), minlength=5)
+    assert abs(got[4] / got[3] - 1) < 0.1 and got[4] > 5 * got[0]
+
+
+def test_updates_to_evicted_records_are_ignored(tmp_path):
+    buf = tiered(tmp_path, hot=2, total=4)
+    push_ids(buf, 0, 4, [1.0, 1.0, 1.0, 1.0])
+    sampled = buf.sample(4, seed=0)["indices"]
+    push_ids(buf, 4, 2, [1.0, 1.0])  # records 0 and 1 are gone; 4 and 5 took their slots
+    assert buf.update_priorities([0, 1, 2, 3], [100.0, 100.0, 1.0, 1.0]) == 2
+    got = np.bincount(draws(buf, 20_000, 4).astype(int), minlength=6)
+    assert got[:2].sum() == 0
+    assert abs(got[4] / got[2] - 1) < 0.15  # the stale update did not land on record 4
+    assert set(sampled.tolist()) <= {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("bad", [[-1.0], [np.nan], [np.inf], [1.0, 2.0]])
+def test_bad_priorities_are_rejected_and_change_nothing(tmp_path, bad):
+    buf = tiered(tmp_path)
+    push_ids(buf, 0, 3)
+    before = (len(buf), buf.sample(3, seed=1)["weights"].tobytes())
+    with pytest.raises(millpond.InvalidArgumentError):
+        push_ids(buf, 3, 1, bad)
+    with pytest.raises(millpond.InvalidArgumentError):
+        buf.update_priorities([0], bad)
+    assert (len(buf), buf.sample(3, seed=1)["weights"].tobytes()) == before
+
+
+def test_alpha_zero_is_uniform_and_zero_priority_is_never_drawn(tmp_path):
+    buf = tiered(tmp_path, alpha=0.0)
+    push_ids(buf, 0, 10, np.arange(1, 11, dtype=float))
+    got = np.bincount(draws(buf, 50_000, 10).astype(int), minlength=10)
+    assert got.min() > 0.8 * got.max()
+    zero = millpond.PrioritizedReplayBuffer(10, 2, 1, alpha=1.0, beta=1.0)  # RAM only
+    push_ids(zero, 0, 5, [0.0, 1.0, 1.0, 0.0, 2.0])
+    sample = zero.sample(5, seed=0)
+    assert set(sample["rewards"].astype(int).tolist()) <= {1, 2, 4}
+    assert np.isfinite(sample["weights"]).all() and sample["weights"].max() <= 1.0
+
+
+def test_remote_prioritized_buffers_say_they_are_not_there_yet():
+    with pytest.raises(millpond.InvalidConfigError, match="not available yet"):
+        millpond.PrioritizedReplayBuffer(10, 2, 1, address="localhost:1", name="p")
+
+
+def test_sum_tree_finds_leaves_in_proportion():
+    tree = SumTree(7)
+    tree.update(np.arange(7), np.array([1, 0, 2, 0, 3, 0, 4], float))
+    assert tree.total == 10 and tree.min == 0  # zeros count for min unless unset
+    prefixes = np.array([0.0, 0.99, 1.0, 2.99, 3.0, 5.99, 6.0, 9.99])
+    np.testing.assert_array_equal(tree.find(prefixes), [0, 0, 2, 2, 4, 4, 6, 6])
