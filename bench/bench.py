@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import millpond  # noqa: E402
 from millpond.core import Schema, TieredBuffer  # noqa: E402
+from millpond.core.prioritized import PrioritizedTieredBuffer  # noqa: E402
 from support import ServerProcess  # noqa: E402
 
 SAMPLE_BATCH = 256
@@ -284,6 +285,27 @@ def durability_section(tmp: Path, seconds: float) -> None:
             print(f"  --sync {policy:9} {fmt_rate(rate, w.schema.record_nbytes)}")
 
 
+def prioritized_section(tmp: Path, quick: bool, seconds: float) -> None:
+    """Prioritized sample(256) and update_priorities(256) beside uniform sampling (in-process)."""
+    print(f"\nPrioritized replay, in-process (target: sample >= 0.5x uniform)")
+    for w in workloads(quick):
+        uniform = TieredBuffer(w.schema, w.hot, w.total, tmp / f"u-{w.name}.cold")
+        prio = PrioritizedTieredBuffer(w.schema, w.hot, w.total, tmp / f"p-{w.name}.cold")
+        batch = w.batch(w.push_batch, np.random.default_rng(3))
+        for _ in range(w.total // w.push_batch):
+            uniform.push_batch(batch)
+            prio.push_batch(batch, priorities=np.random.default_rng(4).random(w.push_batch))
+        base = timed_rate(lambda: uniform.sample(SAMPLE_BATCH), SAMPLE_BATCH, seconds)
+        rate = timed_rate(lambda: prio.sample(SAMPLE_BATCH), SAMPLE_BATCH, seconds)
+        seqs = prio.sample(SAMPLE_BATCH)["indices"]
+        new = np.random.default_rng(5).random(SAMPLE_BATCH)
+        update = timed_rate(lambda: prio.update_priorities(seqs, new), SAMPLE_BATCH, seconds)
+        print(f"  {w.name:9} sample(256) {rate:12,.0f} rec/s vs uniform {base:12,.0f} = "
+              f"{rate / base:.2f}x; update_priorities(256) {update:12,.0f} rec/s")
+        uniform.close()
+        prio.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, short timings")
@@ -302,6 +324,7 @@ def main() -> None:
               f"= {floor * SAMPLE_BATCH:,.0f} records/s at sample({SAMPLE_BATCH}).")
         memory_figure(server, 100_000 if args.quick else 1_000_000)
     durability_section(tmp, seconds)
+    prioritized_section(tmp, args.quick, seconds)
 
 
 if __name__ == "__main__":

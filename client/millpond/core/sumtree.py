@@ -17,6 +17,7 @@ class SumTree:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.size = 1 << max(0, (capacity - 1).bit_length())  # leaves, a power of two
+        self.depth = self.size.bit_length() - 1
         self.sums = np.zeros(2 * self.size, np.float64)
         self.mins = np.full(2 * self.size, np.inf, np.float64)
 
@@ -40,24 +41,24 @@ class SumTree:
         values = np.asarray(values, np.float64)
         self.sums[nodes] = values
         self.mins[nodes] = values if unset is None else np.where(unset, np.inf, values)
-        nodes = np.unique(nodes // 2)
-        while len(nodes) and nodes[0] >= 1:
-            left, right = 2 * nodes, 2 * nodes + 1
-            self.sums[nodes] = self.sums[left] + self.sums[right]
-            self.mins[nodes] = np.minimum(self.mins[left], self.mins[right])
-            if nodes[0] == 1:
-                break
-            nodes = np.unique(nodes // 2)
+        # Repair the ancestors one level at a time. A parent listed twice gets
+        # the same value twice, which is cheaper than deduplicating.
+        for _ in range(self.depth):
+            nodes >>= 1
+            left = nodes << 1
+            self.sums[nodes] = self.sums[left] + self.sums[left + 1]
+            self.mins[nodes] = np.minimum(self.mins[left], self.mins[left + 1])
 
     def find(self, prefix: np.ndarray) -> np.ndarray:
         """For each prefix sum in ``[0, total)``, the leaf whose range contains it."""
         prefix = np.asarray(prefix, np.float64).copy()
         nodes = np.ones(len(prefix), np.int64)
-        while nodes[0] < self.size if len(nodes) else False:
-            left = self.sums[2 * nodes]
+        for _ in range(self.depth):
+            nodes <<= 1
+            left = self.sums[nodes]
             right = prefix >= left
-            prefix -= np.where(right, left, 0.0)
-            nodes = 2 * nodes + right
+            prefix -= left * right
+            nodes += right
         # Float rounding may walk into an empty leaf at the very end: step back
         # to the nearest leaf with weight.
         leaves = np.minimum(nodes - self.size, self.capacity - 1)
