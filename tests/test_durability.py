@@ -198,9 +198,11 @@ def test_damaged_files_are_refused_clearly(tmp_path):
     with pytest.raises(millpond.CorruptFileError, match="truncated"):
         reopen(bytes(raw[: len(raw) // 2]))
     not_persistent = tmp_path / "plain.cold"
-    TieredBuffer(Schema.transition(2, 1), 3, 10, not_persistent).release()
+    plain = TieredBuffer(Schema.transition(2, 1), 3, 10, not_persistent)  # file exists while open
     with pytest.raises(millpond.CorruptFileError, match="non-persistent"):
         TieredBuffer.open(not_persistent)
+    plain.release()  # not persistent: releasing deletes the useless file
+    assert not not_persistent.exists()
 
 
 def test_a_full_disk_refuses_new_buffers_and_never_kills_the_daemon(small_fs):

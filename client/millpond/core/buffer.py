@@ -339,8 +339,12 @@ class TieredBuffer:
         self._shut(delete=True)
 
     def release(self) -> None:
-        """Unmap and keep the file (a persistent buffer can be reopened). Idempotent."""
-        self._shut(delete=False)
+        """Unmap; a persistent buffer keeps its file (reopen it with :meth:`open`).
+
+        A non-persistent buffer's file is useless without its RAM hot tier,
+        so it is deleted, as by :meth:`close`. Idempotent.
+        """
+        self._shut(delete=not self.persistent)
 
     def sync(self) -> None:
         """Write the file's dirty pages to disk and wait (msync)."""
