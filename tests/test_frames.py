@@ -13,6 +13,8 @@ from millpond.v1 import replay_pb2 as pb
 from millpond.wire.codec import decode_batch, encode_batch
 from millpond.wire.frames import (
     PUSH_BATCH_FIELD,
+    PUSH_PRIORITIES_FIELD,
+    decode_doubles,
     SAMPLE_BATCH_FIELD,
     decode_batch_field,
     decode_name,
@@ -42,6 +44,16 @@ def test_push_batch_request_is_byte_identical_to_protobuf(columns, name):
     assert ours == theirs
     assert decode_name(ours) == name
     assert same_columns(decode_batch_field(ours, PUSH_BATCH_FIELD), columns)
+
+
+@settings(max_examples=50, deadline=None)
+@given(columns=COLUMNS, priorities=st.lists(st.floats(0, 1e6), max_size=20))
+def test_push_batch_priorities_match_protobuf(columns, priorities):
+    ours = encode_with_batch(PUSH_BATCH_FIELD, columns, "b", np.array(priorities))
+    theirs = pb.PushBatchRequest(name="b", batch=encode_batch(columns),
+                                 priorities=priorities).SerializeToString()
+    assert ours == theirs
+    np.testing.assert_array_equal(decode_doubles(ours, PUSH_PRIORITIES_FIELD), priorities)
 
 
 @settings(max_examples=150, deadline=None)

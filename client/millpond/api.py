@@ -260,7 +260,27 @@ class MmapReplayBuffer(Buffer):
         return buffer
 
 
-class PrioritizedReplayBuffer(Buffer):
+class PrioritizedHandle(Buffer):
+    """A prioritized buffer handle: ``push(..., priority=)``, ``update_priorities``, ``set_beta``."""
+
+    def push(self, *args: Any, priority: float | None = None, **kwargs: Any) -> None:
+        """``push(obs, action, reward, terminated, truncated, next_obs, priority=None)``."""
+        self._backend.push(self._bind(_PUSH_ORDER, args, kwargs), priority)
+
+    def push_batch(self, *args: Any, priorities: Any = None, **kwargs: Any) -> None:
+        """Like :meth:`Buffer.push_batch`, with one priority per record (optional)."""
+        self._backend.push_batch(self._bind(_PUSH_BATCH_ORDER, args, kwargs), priorities)
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        """New priorities for sampled ``indices``; returns how many were still live."""
+        return self._backend.update_priorities(indices, priorities)
+
+    def set_beta(self, beta: float) -> None:
+        """Set the importance-sampling exponent (anneal it towards 1)."""
+        self._backend.set_beta(beta)
+
+
+class PrioritizedReplayBuffer(PrioritizedHandle):
     """Proportional prioritized replay (sum tree), over RAM or hot + cold tiers.
 
     ``PrioritizedReplayBuffer(capacity, obs_dim, act_dim, alpha, beta)`` keeps
@@ -269,8 +289,8 @@ class PrioritizedReplayBuffer(Buffer):
     priorities. ``push(..., priority=p)`` (default: the largest priority seen
     so far); ``sample`` adds ``weights`` and ``indices``;
     ``update_priorities(indices, priorities)`` ignores records evicted since
-    they were sampled; ``set_beta(b)`` anneals the importance weights.
-    Remote (``address=``) prioritized buffers are not available yet.
+    they were sampled; ``set_beta(b)`` anneals the importance weights. With
+    ``address=`` and ``name=`` the buffer lives on a millpond server.
     """
 
     def __init__(
@@ -288,27 +308,16 @@ class PrioritizedReplayBuffer(Buffer):
         address: str | None = None,
         name: str | None = None,
     ):
-        if address is not None:
-            raise InvalidConfigError("remote prioritized buffers are not available yet")
         schema = Schema.resolve(obs_dim, act_dim, fields)
         if capacity is not None:
             if hot_capacity is not None or total_capacity is not None:
                 raise InvalidConfigError("give capacity= or hot_capacity=/total_capacity=, not both")
             hot_capacity = total_capacity = capacity
-        super().__init__(PrioritizedTieredBuffer(schema, hot_capacity, total_capacity, cold_path,
-                                                 alpha=alpha, beta=beta))
-
-    def push(self, *args: Any, priority: float | None = None, **kwargs: Any) -> None:
-        """``push(obs, action, reward, terminated, truncated, next_obs, priority=None)``."""
-        self._backend.push(self._bind(_PUSH_ORDER, args, kwargs), priority)
-
-    def push_batch(self, *args: Any, priorities: Any = None, **kwargs: Any) -> None:
-        """Like :meth:`Buffer.push_batch`, with one priority per record (optional)."""
-        self._backend.push_batch(self._bind(_PUSH_BATCH_ORDER, args, kwargs), priorities)
-
-    def update_priorities(self, indices: Any, priorities: Any) -> int:
-        """New priorities for sampled ``indices``; returns how many were still live."""
-        return self._backend.update_priorities(indices, priorities)
-
-    def set_beta(self, beta: float) -> None:
-        self._backend.set_beta(beta)
+        if address is not None:
+            backend = _remote(address, name, hot_capacity=hot_capacity,
+                              total_capacity=total_capacity, fields=schema,
+                              prioritized=True, alpha=alpha, beta=beta)
+        else:
+            backend = PrioritizedTieredBuffer(schema, hot_capacity, total_capacity, cold_path,
+                                              alpha=alpha, beta=beta)
+        super().__init__(backend)

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import grpc
 
-from .api import Buffer
+from .api import Buffer, PrioritizedHandle
 from .core.buffer import check_capacities
 from .core.schema import Schema
 from .errors import InvalidConfigError, SharedMemoryError
@@ -33,7 +33,7 @@ from .wire.status import error_from_rpc
 from .remote import RemoteBuffer, info_to_dict, translate_rpc_errors
 from .v1 import replay_pb2 as pb
 from .v1 import replay_pb2_grpc as pb_grpc
-from .wire.codec import decode_config, encode_config
+from .wire.codec import decode_config, decode_prioritized, encode_config
 
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_MESSAGE_MB = 512
@@ -146,17 +146,23 @@ class Client:
         hot_capacity: int | None = None,
         total_capacity: int | None = None,
         fields: Mapping[str, Any] | Schema | None = None,
+        prioritized: bool = False,
+        alpha: float = 0.6,
+        beta: float = 0.4,
     ) -> Buffer:
         """Create the buffer ``name``, or attach to it if it exists with this config.
 
         Arguments are those of the in-process classes: ``capacity`` (RAM only,
         like ``ReplayBuffer``) or ``hot_capacity`` + ``total_capacity`` (like
         ``MmapReplayBuffer``), and ``obs_dim``/``act_dim`` or ``fields``.
+        ``prioritized=True`` makes a proportional prioritized buffer with
+        ``alpha`` and ``beta`` (see :class:`millpond.PrioritizedReplayBuffer`).
         An existing buffer with another config raises ConfigMismatchError.
         """
         schema = Schema.resolve(obs_dim, act_dim, fields)
         hot, total = check_capacities(*_capacities(capacity, hot_capacity, total_capacity))
-        request = pb.CreateRequest(name=name, config=encode_config(schema, hot, total))
+        config = encode_config(schema, hot, total, (alpha, beta) if prioritized else None)
+        request = pb.CreateRequest(name=name, config=config)
         reply = self.stub.Create(request, timeout=self.timeout)
         return self._handle(reply)
 
@@ -190,7 +196,9 @@ class Client:
 
     def _handle(self, info: pb.BufferInfo) -> Buffer:
         schema, hot, total = decode_config(info.config)
-        return Buffer(RemoteBuffer(self, info.name, schema, hot, total))
+        remote = RemoteBuffer(self, info.name, schema, hot, total,
+                              prioritized=decode_prioritized(info.config) is not None)
+        return PrioritizedHandle(remote) if remote.prioritized else Buffer(remote)
 
 
 class Connection:

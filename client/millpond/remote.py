@@ -18,6 +18,7 @@ import numpy as np
 
 from .batching import PushBatcher
 from .core.buffer import check_batch_size, check_seed
+from .core.prioritized import check_priorities
 from .core.schema import Schema
 from .errors import (
     BufferClosedError,
@@ -86,8 +87,9 @@ class RemoteBuffer:
     """
 
     def __init__(self, client: "Client", name: str, schema: Schema, hot_capacity: int,
-                 total_capacity: int):
+                 total_capacity: int, prioritized: bool = False):
         self._client = client
+        self.prioritized = prioritized
         self.name = name
         self.schema = schema
         self.hot_capacity = hot_capacity
@@ -98,7 +100,8 @@ class RemoteBuffer:
     def __reduce__(self):  # pending records stay with this handle, never in a pickle
         return (
             RemoteBuffer,
-            (self._client, self.name, self.schema, self.hot_capacity, self.total_capacity),
+            (self._client, self.name, self.schema, self.hot_capacity, self.total_capacity,
+             self.prioritized),
         )
 
     @property
@@ -115,10 +118,19 @@ class RemoteBuffer:
         reply = self._client.stub.Info(pb.InfoRequest(name=self.name), timeout=self._client.timeout)
         return info_to_dict(reply)
 
-    def push(self, record: Mapping[str, Any]) -> None:
-        """Queue one record for the next batch (validated now); see the class docstring."""
+    def push(self, record: Mapping[str, Any], priority: float | None = None) -> None:
+        """Queue one record for the next batch (validated now); see the class docstring.
+
+        A record with an explicit ``priority`` (prioritized buffers) is sent at
+        once, after what is queued.
+        """
         self._check_open()
         limit = self._client.push_batch_size
+        if priority is not None:
+            n, batch = self.schema.coerce_batch(self.schema.coerce_record(record))
+            self.flush()
+            self._store(n, batch, check_priorities([priority], 1))
+            return
         if limit <= 1:
             self._store(*self.schema.coerce_batch(self.schema.coerce_record(record)))
             return
@@ -133,27 +145,51 @@ class RemoteBuffer:
         if self._batcher is not None:
             self._batcher.flush()
 
-    def push_batch(self, columns: Mapping[str, Any]) -> int:
+    def push_batch(self, columns: Mapping[str, Any], priorities: Any = None) -> int:
         """Store a batch (validated locally first, after queued pushes); returns its length.
 
-        Over gRPC a batch larger than the message limit is refused before
-        sending (:class:`MessageTooLargeError`); split it, nothing was stored.
+        ``priorities``: one per record, for prioritized buffers. Over gRPC a
+        batch larger than the message limit is refused before sending
+        (:class:`MessageTooLargeError`); split it, nothing was stored.
         """
         self._check_open()
         n, batch = self.schema.coerce_batch(columns)
+        prios = None if priorities is None else check_priorities(priorities, n)
         self.flush()
-        self._store(n, batch)
+        self._store(n, batch, prios)
         return n
+
+    @translate_rpc_errors
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        """New priorities for sampled records; returns how many were still live."""
+        self._check_open()
+        seqs = np.asarray(indices, np.int64).reshape(-1)
+        values = check_priorities(priorities, len(seqs))
+        self.flush()
+        reply = self._client.stub.UpdatePriorities(
+            pb.UpdatePrioritiesRequest(name=self.name, indices=seqs.tolist(),
+                                       priorities=values.tolist()),
+            timeout=self._client.timeout)
+        return reply.updated
+
+    @translate_rpc_errors
+    def set_beta(self, beta: float) -> None:
+        self._check_open()
+        self._client.stub.SetBeta(pb.SetBetaRequest(name=self.name, beta=float(beta)),
+                                  timeout=self._client.timeout)
 
     def _send_batch(self, columns: dict[str, np.ndarray]) -> None:
         """The batcher's send: columns are views it reuses, so they are copied here."""
         self._store(len(next(iter(columns.values()))), columns)
 
     @translate_rpc_errors
-    def _store(self, n: int, batch: dict[str, np.ndarray]) -> None:
-        """Send validated columns: through shared memory if we can, else gRPC."""
+    def _store(self, n: int, batch: dict[str, np.ndarray], priorities: np.ndarray | None = None) -> None:
+        """Send validated columns: through shared memory if we can, else gRPC.
+
+        Prioritized buffers use gRPC for now: the fast path carries no priorities.
+        """
         connection = self._client.connection
-        session = connection.fast_path()
+        session = None if self.prioritized else connection.fast_path()
         if session is not None:
             try:
                 session.push_batch(self.name, self.schema, n, batch, self._client.timeout)
@@ -161,7 +197,7 @@ class RemoteBuffer:
             except SharedMemoryError as exc:
                 log.warning("shared memory refused a push (%s); sending it over gRPC", exc)
         self._check_message_size(n, "push_batch of")
-        request = encode_with_batch(PUSH_BATCH_FIELD, batch, self.name)
+        request = encode_with_batch(PUSH_BATCH_FIELD, batch, self.name, priorities)
         connection.push_batch(request, timeout=self._client.timeout)
 
     @translate_rpc_errors
@@ -171,7 +207,7 @@ class RemoteBuffer:
         batch_size, seed = check_batch_size(batch_size), check_seed(seed)
         self.flush()
         connection = self._client.connection
-        session = connection.fast_path()
+        session = None if self.prioritized else connection.fast_path()
         if session is not None:
             try:
                 return session.sample(self.name, self.schema, batch_size, seed,

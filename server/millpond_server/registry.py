@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from millpond.core import Schema, TieredBuffer
+from millpond.core.prioritized import PrioritizedTieredBuffer, open_buffer
 from millpond.errors import BufferNotFoundError, ConfigMismatchError, InvalidArgumentError
 
 log = logging.getLogger("millpond.registry")
@@ -79,7 +80,7 @@ class Registry:
             log.info("recovering buffer", extra={"kv": {
                 "buffer": name, "progress": f"{i}/{len(paths)}",
                 "bytes": path.stat().st_size}})
-            buffer = TieredBuffer.open(path, sync_every_push=self.sync_every_push,
+            buffer = open_buffer(path, sync_every_push=self.sync_every_push,
                                        skip_corrupt=self.skip_corrupt,
                                        progress=_progress_logger(name))
             with self._lock:
@@ -91,28 +92,36 @@ class Registry:
                 "buffer": name, "records": len(buffer), "pushed": buffer.pushed}})
         return len(paths)
 
-    def create(self, name: str, schema: Schema, hot: int, total: int) -> tuple[TieredBuffer, bool]:
+    def create(self, name: str, schema: Schema, hot: int, total: int,
+               prioritized: tuple[float, float] | None = None) -> tuple[TieredBuffer, bool]:
         """Create ``name`` or attach to it; return ``(buffer, created)``.
 
-        Attaching requires the identical configuration (schema, capacities),
-        else :class:`ConfigMismatchError`.
+        ``prioritized`` is ``(alpha, beta)`` for a prioritized buffer. Attaching
+        requires the identical configuration (schema, capacities, sampling and
+        alpha; beta may have been annealed), else :class:`ConfigMismatchError`.
         """
         path = self.cold_path(name)
         with self._create_lock:
             with self._lock:
                 existing = self._buffers.get(name)
             if existing is not None:
-                if (existing.schema, existing.hot_capacity, existing.total_capacity) != (
-                    schema, hot, total,
-                ):
+                has_alpha = getattr(existing, "alpha", None)
+                wants_alpha = prioritized[0] if prioritized else None
+                if (existing.schema, existing.hot_capacity, existing.total_capacity,
+                        has_alpha) != (schema, hot, total, wants_alpha):
                     raise ConfigMismatchError(
                         f"buffer {name!r} exists with a different config: has "
                         f"{describe(existing.schema, existing.hot_capacity, existing.total_capacity)}"
                         f", asked for {describe(schema, hot, total)}"
                     )
                 return existing, False
-            buffer = TieredBuffer(schema, hot, total, cold_path=path, persistent=True,
-                                  sync_every_push=self.sync_every_push)
+            options = dict(cold_path=path, persistent=True, sync_every_push=self.sync_every_push)
+            if prioritized:
+                alpha, beta = prioritized
+                buffer = PrioritizedTieredBuffer(schema, hot, total, alpha=alpha, beta=beta,
+                                                 **options)
+            else:
+                buffer = TieredBuffer(schema, hot, total, **options)
             with self._lock:
                 self._buffers[name] = buffer
         log.info("buffer created", extra={"kv": {"buffer": name, "hot": hot, "total": total,

@@ -26,12 +26,21 @@ from typing import Callable
 import grpc
 
 from millpond.core import Schema, TieredBuffer
-from millpond.errors import InternalError, MessageTooLargeError, ReplayError, StorageIOError
+from millpond.errors import (
+    InternalError,
+    InvalidArgumentError,
+    MessageTooLargeError,
+    ReplayError,
+    StorageIOError,
+)
 from millpond.shm.protocol import read_boot_id
 from millpond.v1 import replay_pb2 as pb
-from millpond.wire.codec import decode_batch, decode_config, encode_config
+from millpond.core.prioritized import PrioritizedTieredBuffer
+from millpond.wire.codec import decode_batch, decode_config, decode_prioritized, encode_config
 from millpond.wire.frames import (
     PUSH_BATCH_FIELD,
+    PUSH_PRIORITIES_FIELD,
+    decode_doubles,
     SAMPLE_BATCH_FIELD,
     decode_batch_field,
     decode_name,
@@ -90,9 +99,12 @@ def translate_errors(cls: type) -> type:
 
 def buffer_info(name: str, buffer: TieredBuffer) -> pb.BufferInfo:
     info = buffer.info()
+    prioritized = ((buffer.alpha, buffer.beta)
+                   if isinstance(buffer, PrioritizedTieredBuffer) else None)
     return pb.BufferInfo(
         name=name,
-        config=encode_config(buffer.schema, info["hot_capacity"], info["total_capacity"]),
+        config=encode_config(buffer.schema, info["hot_capacity"], info["total_capacity"],
+                             prioritized),
         size=info["size"],
         pushed=info["pushed"],
         hot_size=info["hot_size"],
@@ -117,6 +129,12 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
+def prioritized(buffer: TieredBuffer) -> PrioritizedTieredBuffer:
+    if not isinstance(buffer, PrioritizedTieredBuffer):
+        raise InvalidArgumentError("priorities are for prioritized buffers; this one is uniform")
+    return buffer
+
+
 # ---- the service --------------------------------------------------------------------
 
 @translate_errors
@@ -139,7 +157,8 @@ class ReplayService:
     async def Create(self, request: pb.CreateRequest, context) -> pb.BufferInfo:
         name = check_name(request.name)
         schema, hot, total = decode_config(request.config)
-        buffer, _ = await self._run(self.registry.create, name, schema, hot, total)
+        prioritized = decode_prioritized(request.config)
+        buffer, _ = await self._run(self.registry.create, name, schema, hot, total, prioritized)
         return await self._run(buffer_info, name, buffer)
 
     async def Push(self, request: pb.PushRequest, context) -> pb.PushReply:
@@ -159,8 +178,24 @@ class ReplayService:
     def _push_batch(self, raw: bytes) -> pb.PushReply:
         # Columns are views of the request bytes: the push is their only copy.
         buffer = self.registry.get(decode_name(raw))
-        buffer.push_batch(decode_batch_field(raw, PUSH_BATCH_FIELD))
+        columns = decode_batch_field(raw, PUSH_BATCH_FIELD)
+        priorities = decode_doubles(raw, PUSH_PRIORITIES_FIELD)
+        if len(priorities):
+            prioritized(buffer).push_batch(columns, priorities)
+        else:
+            buffer.push_batch(columns)
         return pb.PushReply(size=len(buffer), pushed=buffer.pushed)
+
+    async def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest,
+                               context) -> pb.UpdatePrioritiesReply:
+        buffer = prioritized(self.registry.get(request.name))
+        updated = await self._run(buffer.update_priorities, list(request.indices),
+                                  list(request.priorities))
+        return pb.UpdatePrioritiesReply(updated=updated)
+
+    async def SetBeta(self, request: pb.SetBetaRequest, context) -> pb.SetBetaReply:
+        prioritized(self.registry.get(request.name)).set_beta(request.beta)
+        return pb.SetBetaReply()
 
     async def Sample(self, request: pb.SampleRequest, context) -> bytes:
         buffer = self.registry.get(request.name)
@@ -213,6 +248,8 @@ def add_to_server(service: ReplayService, server: grpc.aio.Server) -> None:
         "Info": pb.InfoRequest.FromString,
         "List": pb.ListRequest.FromString,
         "Negotiate": pb.NegotiateRequest.FromString,
+        "UpdatePriorities": pb.UpdatePrioritiesRequest.FromString,
+        "SetBeta": pb.SetBetaRequest.FromString,
     }
     assert set(requests) == set(_METHODS), "service methods changed: update add_to_server"
     handlers = {

@@ -73,6 +73,7 @@ class TieredBuffer:
         *,
         persistent: bool = False,
         sync_every_push: bool = False,
+        file_meta: Mapping[str, Any] | None = None,
     ):
         hot, total = check_capacities(hot_capacity, total_capacity)
         file = None
@@ -80,7 +81,8 @@ class TieredBuffer:
             if cold_path is None and persistent:
                 raise InvalidConfigError("a persistent buffer needs a file path")
             path = os.fspath(cold_path) if cold_path is not None else _temp_cold_path()
-            file = BufferFile.create(path, schema, hot, total, persistent=persistent)
+            file = BufferFile.create(path, schema, hot, total, persistent=persistent,
+                                     extra_meta=file_meta)
         self._setup(schema, hot, total, file, sync_every_push)
 
     @classmethod
@@ -102,6 +104,7 @@ class TieredBuffer:
                 f"{path} belonged to a non-persistent buffer: its hot records were never in it"
             )
         buffer = cls.__new__(cls)
+        buffer.file_meta = file.meta
         buffer._setup(file.schema, file.meta["hot_capacity"], file.meta["total_capacity"],
                       file, sync_every_push)
         buffer._pushed, buffer._first, buffer._hot_lo = file.pushed, file.first, file.hot_lo

@@ -115,7 +115,7 @@ class BufferFile:
 
     @classmethod
     def create(cls, path: str, schema: Schema, hot_capacity: int, total_capacity: int,
-               persistent: bool = False) -> "BufferFile":
+               persistent: bool = False, extra_meta: dict | None = None) -> "BufferFile":
         """Create (or replace) the file at ``path``, fully allocated.
 
         ``persistent`` puts the hot ring in the file as well. Raises
@@ -129,6 +129,7 @@ class BufferFile:
             "total_capacity": total_capacity,
             "cold_capacity": cold_capacity,
             "persistent": persistent,
+            **(extra_meta or {}),  # e.g. the sampler of a prioritized buffer
         }
         # Only a persistent file is ever reopened: only it needs checksums.
         sizes = _region_sizes(schema, cold_capacity, "", persistent) if cold_capacity else []
@@ -176,6 +177,15 @@ class BufferFile:
             os.close(fd)
             raise
         return cls(path, fd, mm, meta, schema, counters)
+
+    @staticmethod
+    def peek(path: str) -> dict:
+        """The metadata of the buffer file at ``path``, without keeping it open."""
+        file = BufferFile.open(path)
+        try:
+            return file.meta
+        finally:
+            file.close(delete=False)
 
     @staticmethod
     def read_meta(mm: mmap.mmap, path: str) -> tuple[dict, int]:

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, InvalidConfigError
 from .buffer import TieredBuffer
+from .bufferfile import BufferFile
 from .sumtree import SumTree
 
 
@@ -51,6 +52,8 @@ class PrioritizedTieredBuffer(TieredBuffer):
     """
 
     def __init__(self, *args: Any, alpha: float = 0.6, beta: float = 0.4, **kwargs: Any):
+        alpha, beta = _check_exponent("alpha", alpha), _check_exponent("beta", beta)
+        kwargs["file_meta"] = {"prioritized": {"alpha": alpha, "beta": beta}}
         super().__init__(*args, **kwargs)
         self._setup_priorities(alpha, beta)
 
@@ -141,3 +144,12 @@ class PrioritizedTieredBuffer(TieredBuffer):
         with np.errstate(divide="ignore"):
             weights = (n * probs) ** -self.beta / (n * tree.min / total) ** -self.beta
         return seqs, {"weights": weights.astype(np.float32), "indices": seqs.astype(np.int64)}
+
+
+def open_buffer(path, **kwargs: Any) -> TieredBuffer:
+    """Reopen a persistent buffer file as the kind of buffer it was created as."""
+    prioritized = BufferFile.peek(str(path)).get("prioritized")
+    if prioritized:
+        return PrioritizedTieredBuffer.open(path, alpha=prioritized["alpha"],
+                                            beta=prioritized["beta"], **kwargs)
+    return TieredBuffer.open(path, **kwargs)

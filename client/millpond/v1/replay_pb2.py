@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18millpond/v1/replay.proto\x12\x0bmillpond.v1\"7\n\tFieldSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"d\n\x0c\x42ufferConfig\x12\x14\n\x0chot_capacity\x18\x01 \x01(\x03\x12\x16\n\x0etotal_capacity\x18\x02 \x01(\x03\x12&\n\x06\x66ields\x18\x03 \x03(\x0b\x32\x16.millpond.v1.FieldSpec\"B\n\x06\x43olumn\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"-\n\x05\x42\x61tch\x12$\n\x07\x63olumns\x18\x01 \x03(\x0b\x32\x13.millpond.v1.Column\"H\n\rCreateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x19.millpond.v1.BufferConfig\"?\n\x0bPushRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x06record\x18\x02 \x01(\x0b\x32\x12.millpond.v1.Batch\"C\n\x10PushBatchRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x12.millpond.v1.Batch\")\n\tPushReply\x12\x0c\n\x04size\x18\x01 \x01(\x03\x12\x0e\n\x06pushed\x18\x02 \x01(\x03\"M\n\rSampleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x03\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"0\n\x0bSampleReply\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.millpond.v1.Batch\"\x1c\n\x0c\x43loseRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x0c\n\nCloseReply\"\x1b\n\x0bInfoRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xb2\x01\n\nBufferInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x19.millpond.v1.BufferConfig\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0e\n\x06pushed\x18\x04 \x01(\x03\x12\x10\n\x08hot_size\x18\x05 \x01(\x03\x12\x11\n\tcold_size\x18\x06 \x01(\x03\x12\x15\n\rrecord_nbytes\x18\x07 \x01(\x03\x12\x11\n\tcold_path\x18\x08 \x01(\t\"\r\n\x0bListRequest\"5\n\tListReply\x12(\n\x07\x62uffers\x18\x01 \x03(\x0b\x32\x17.millpond.v1.BufferInfo\"#\n\x10NegotiateRequest\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\"[\n\x0eNegotiateReply\x12\x0b\n\x03shm\x18\x01 \x01(\x08\x12\x0e\n\x06socket\x18\x02 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\x12\x0b\n\x03uid\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t2\x80\x04\n\x06Replay\x12=\n\x06\x43reate\x12\x1a.millpond.v1.CreateRequest\x1a\x17.millpond.v1.BufferInfo\x12\x38\n\x04Push\x12\x18.millpond.v1.PushRequest\x1a\x16.millpond.v1.PushReply\x12\x42\n\tPushBatch\x12\x1d.millpond.v1.PushBatchRequest\x1a\x16.millpond.v1.PushReply\x12>\n\x06Sample\x12\x1a.millpond.v1.SampleRequest\x1a\x18.millpond.v1.SampleReply\x12;\n\x05\x43lose\x12\x19.millpond.v1.CloseRequest\x1a\x17.millpond.v1.CloseReply\x12\x39\n\x04Info\x12\x18.millpond.v1.InfoRequest\x1a\x17.millpond.v1.BufferInfo\x12\x38\n\x04List\x12\x18.millpond.v1.ListRequest\x1a\x16.millpond.v1.ListReply\x12G\n\tNegotiate\x12\x1d.millpond.v1.NegotiateRequest\x1a\x1b.millpond.v1.NegotiateReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18millpond/v1/replay.proto\x12\x0bmillpond.v1\"7\n\tFieldSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x93\x01\n\x0c\x42ufferConfig\x12\x14\n\x0chot_capacity\x18\x01 \x01(\x03\x12\x16\n\x0etotal_capacity\x18\x02 \x01(\x03\x12&\n\x06\x66ields\x18\x03 \x03(\x0b\x32\x16.millpond.v1.FieldSpec\x12-\n\x0bprioritized\x18\x04 \x01(\x0b\x32\x18.millpond.v1.Prioritized\"*\n\x0bPrioritized\x12\r\n\x05\x61lpha\x18\x01 \x01(\x01\x12\x0c\n\x04\x62\x65ta\x18\x02 \x01(\x01\"B\n\x06\x43olumn\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"-\n\x05\x42\x61tch\x12$\n\x07\x63olumns\x18\x01 \x03(\x0b\x32\x13.millpond.v1.Column\"H\n\rCreateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x19.millpond.v1.BufferConfig\"?\n\x0bPushRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x06record\x18\x02 \x01(\x0b\x32\x12.millpond.v1.Batch\"W\n\x10PushBatchRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x12.millpond.v1.Batch\x12\x12\n\npriorities\x18\x03 \x03(\x01\")\n\tPushReply\x12\x0c\n\x04size\x18\x01 \x01(\x03\x12\x0e\n\x06pushed\x18\x02 \x01(\x03\"M\n\rSampleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x03\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"0\n\x0bSampleReply\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.millpond.v1.Batch\"\x1c\n\x0c\x43loseRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x0c\n\nCloseReply\"\x1b\n\x0bInfoRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xb2\x01\n\nBufferInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x19.millpond.v1.BufferConfig\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0e\n\x06pushed\x18\x04 \x01(\x03\x12\x10\n\x08hot_size\x18\x05 \x01(\x03\x12\x11\n\tcold_size\x18\x06 \x01(\x03\x12\x15\n\rrecord_nbytes\x18\x07 \x01(\x03\x12\x11\n\tcold_path\x18\x08 \x01(\t\"\r\n\x0bListRequest\"5\n\tListReply\x12(\n\x07\x62uffers\x18\x01 \x03(\x0b\x32\x17.millpond.v1.BufferInfo\"#\n\x10NegotiateRequest\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\"[\n\x0eNegotiateReply\x12\x0b\n\x03shm\x18\x01 \x01(\x08\x12\x0e\n\x06socket\x18\x02 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\x12\x0b\n\x03uid\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\"L\n\x17UpdatePrioritiesRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\x03\x12\x12\n\npriorities\x18\x03 \x03(\x01\"(\n\x15UpdatePrioritiesReply\x12\x0f\n\x07updated\x18\x01 \x01(\x03\",\n\x0eSetBetaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x62\x65ta\x18\x02 \x01(\x01\"\x0e\n\x0cSetBetaReply2\xa1\x05\n\x06Replay\x12=\n\x06\x43reate\x12\x1a.millpond.v1.CreateRequest\x1a\x17.millpond.v1.BufferInfo\x12\x38\n\x04Push\x12\x18.millpond.v1.PushRequest\x1a\x16.millpond.v1.PushReply\x12\x42\n\tPushBatch\x12\x1d.millpond.v1.PushBatchRequest\x1a\x16.millpond.v1.PushReply\x12>\n\x06Sample\x12\x1a.millpond.v1.SampleRequest\x1a\x18.millpond.v1.SampleReply\x12;\n\x05\x43lose\x12\x19.millpond.v1.CloseRequest\x1a\x17.millpond.v1.CloseReply\x12\x39\n\x04Info\x12\x18.millpond.v1.InfoRequest\x1a\x17.millpond.v1.BufferInfo\x12\x38\n\x04List\x12\x18.millpond.v1.ListRequest\x1a\x16.millpond.v1.ListReply\x12G\n\tNegotiate\x12\x1d.millpond.v1.NegotiateRequest\x1a\x1b.millpond.v1.NegotiateReply\x12\\\n\x10UpdatePriorities\x12$.millpond.v1.UpdatePrioritiesRequest\x1a\".millpond.v1.UpdatePrioritiesReply\x12\x41\n\x07SetBeta\x12\x1b.millpond.v1.SetBetaRequest\x1a\x19.millpond.v1.SetBetaReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,40 +33,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FIELDSPEC']._serialized_start=41
   _globals['_FIELDSPEC']._serialized_end=96
-  _globals['_BUFFERCONFIG']._serialized_start=98
-  _globals['_BUFFERCONFIG']._serialized_end=198
-  _globals['_COLUMN']._serialized_start=200
-  _globals['_COLUMN']._serialized_end=266
-  _globals['_BATCH']._serialized_start=268
-  _globals['_BATCH']._serialized_end=313
-  _globals['_CREATEREQUEST']._serialized_start=315
-  _globals['_CREATEREQUEST']._serialized_end=387
-  _globals['_PUSHREQUEST']._serialized_start=389
-  _globals['_PUSHREQUEST']._serialized_end=452
-  _globals['_PUSHBATCHREQUEST']._serialized_start=454
-  _globals['_PUSHBATCHREQUEST']._serialized_end=521
-  _globals['_PUSHREPLY']._serialized_start=523
-  _globals['_PUSHREPLY']._serialized_end=564
-  _globals['_SAMPLEREQUEST']._serialized_start=566
-  _globals['_SAMPLEREQUEST']._serialized_end=643
-  _globals['_SAMPLEREPLY']._serialized_start=645
-  _globals['_SAMPLEREPLY']._serialized_end=693
-  _globals['_CLOSEREQUEST']._serialized_start=695
-  _globals['_CLOSEREQUEST']._serialized_end=723
-  _globals['_CLOSEREPLY']._serialized_start=725
-  _globals['_CLOSEREPLY']._serialized_end=737
-  _globals['_INFOREQUEST']._serialized_start=739
-  _globals['_INFOREQUEST']._serialized_end=766
-  _globals['_BUFFERINFO']._serialized_start=769
-  _globals['_BUFFERINFO']._serialized_end=947
-  _globals['_LISTREQUEST']._serialized_start=949
-  _globals['_LISTREQUEST']._serialized_end=962
-  _globals['_LISTREPLY']._serialized_start=964
-  _globals['_LISTREPLY']._serialized_end=1017
-  _globals['_NEGOTIATEREQUEST']._serialized_start=1019
-  _globals['_NEGOTIATEREQUEST']._serialized_end=1054
-  _globals['_NEGOTIATEREPLY']._serialized_start=1056
-  _globals['_NEGOTIATEREPLY']._serialized_end=1147
-  _globals['_REPLAY']._serialized_start=1150
-  _globals['_REPLAY']._serialized_end=1662
+  _globals['_BUFFERCONFIG']._serialized_start=99
+  _globals['_BUFFERCONFIG']._serialized_end=246
+  _globals['_PRIORITIZED']._serialized_start=248
+  _globals['_PRIORITIZED']._serialized_end=290
+  _globals['_COLUMN']._serialized_start=292
+  _globals['_COLUMN']._serialized_end=358
+  _globals['_BATCH']._serialized_start=360
+  _globals['_BATCH']._serialized_end=405
+  _globals['_CREATEREQUEST']._serialized_start=407
+  _globals['_CREATEREQUEST']._serialized_end=479
+  _globals['_PUSHREQUEST']._serialized_start=481
+  _globals['_PUSHREQUEST']._serialized_end=544
+  _globals['_PUSHBATCHREQUEST']._serialized_start=546
+  _globals['_PUSHBATCHREQUEST']._serialized_end=633
+  _globals['_PUSHREPLY']._serialized_start=635
+  _globals['_PUSHREPLY']._serialized_end=676
+  _globals['_SAMPLEREQUEST']._serialized_start=678
+  _globals['_SAMPLEREQUEST']._serialized_end=755
+  _globals['_SAMPLEREPLY']._serialized_start=757
+  _globals['_SAMPLEREPLY']._serialized_end=805
+  _globals['_CLOSEREQUEST']._serialized_start=807
+  _globals['_CLOSEREQUEST']._serialized_end=835
+  _globals['_CLOSEREPLY']._serialized_start=837
+  _globals['_CLOSEREPLY']._serialized_end=849
+  _globals['_INFOREQUEST']._serialized_start=851
+  _globals['_INFOREQUEST']._serialized_end=878
+  _globals['_BUFFERINFO']._serialized_start=881
+  _globals['_BUFFERINFO']._serialized_end=1059
+  _globals['_LISTREQUEST']._serialized_start=1061
+  _globals['_LISTREQUEST']._serialized_end=1074
+  _globals['_LISTREPLY']._serialized_start=1076
+  _globals['_LISTREPLY']._serialized_end=1129
+  _globals['_NEGOTIATEREQUEST']._serialized_start=1131
+  _globals['_NEGOTIATEREQUEST']._serialized_end=1166
+  _globals['_NEGOTIATEREPLY']._serialized_start=1168
+  _globals['_NEGOTIATEREPLY']._serialized_end=1259
+  _globals['_UPDATEPRIORITIESREQUEST']._serialized_start=1261
+  _globals['_UPDATEPRIORITIESREQUEST']._serialized_end=1337
+  _globals['_UPDATEPRIORITIESREPLY']._serialized_start=1339
+  _globals['_UPDATEPRIORITIESREPLY']._serialized_end=1379
+  _globals['_SETBETAREQUEST']._serialized_start=1381
+  _globals['_SETBETAREQUEST']._serialized_end=1425
+  _globals['_SETBETAREPLY']._serialized_start=1427
+  _globals['_SETBETAREPLY']._serialized_end=1441
+  _globals['_REPLAY']._serialized_start=1444
+  _globals['_REPLAY']._serialized_end=2117
 # @@protoc_insertion_point(module_scope)

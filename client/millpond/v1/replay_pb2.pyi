@@ -17,14 +17,24 @@ class FieldSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BufferConfig(_message.Message):
-    __slots__ = ("hot_capacity", "total_capacity", "fields")
+    __slots__ = ("hot_capacity", "total_capacity", "fields", "prioritized")
     HOT_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITIZED_FIELD_NUMBER: _ClassVar[int]
     hot_capacity: int
     total_capacity: int
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
-    def __init__(self, hot_capacity: _Optional[int] = ..., total_capacity: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ...) -> None: ...
+    prioritized: Prioritized
+    def __init__(self, hot_capacity: _Optional[int] = ..., total_capacity: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., prioritized: _Optional[_Union[Prioritized, _Mapping]] = ...) -> None: ...
+
+class Prioritized(_message.Message):
+    __slots__ = ("alpha", "beta")
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    alpha: float
+    beta: float
+    def __init__(self, alpha: _Optional[float] = ..., beta: _Optional[float] = ...) -> None: ...
 
 class Column(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -61,12 +71,14 @@ class PushRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., record: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
 
 class PushBatchRequest(_message.Message):
-    __slots__ = ("name", "batch")
+    __slots__ = ("name", "batch", "priorities")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     name: str
     batch: Batch
-    def __init__(self, name: _Optional[str] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+    priorities: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, name: _Optional[str] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., priorities: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("size", "pushed")
@@ -157,3 +169,31 @@ class NegotiateReply(_message.Message):
     uid: int
     reason: str
     def __init__(self, shm: _Optional[bool] = ..., socket: _Optional[str] = ..., boot_id: _Optional[str] = ..., uid: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class UpdatePrioritiesRequest(_message.Message):
+    __slots__ = ("name", "indices", "priorities")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    priorities: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, name: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., priorities: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class UpdatePrioritiesReply(_message.Message):
+    __slots__ = ("updated",)
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    updated: int
+    def __init__(self, updated: _Optional[int] = ...) -> None: ...
+
+class SetBetaRequest(_message.Message):
+    __slots__ = ("name", "beta")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    beta: float
+    def __init__(self, name: _Optional[str] = ..., beta: _Optional[float] = ...) -> None: ...
+
+class SetBetaReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -74,6 +74,16 @@ class ReplayStub:
                 request_serializer=millpond_dot_v1_dot_replay__pb2.NegotiateRequest.SerializeToString,
                 response_deserializer=millpond_dot_v1_dot_replay__pb2.NegotiateReply.FromString,
                 _registered_method=True)
+        self.UpdatePriorities = channel.unary_unary(
+                '/millpond.v1.Replay/UpdatePriorities',
+                request_serializer=millpond_dot_v1_dot_replay__pb2.UpdatePrioritiesRequest.SerializeToString,
+                response_deserializer=millpond_dot_v1_dot_replay__pb2.UpdatePrioritiesReply.FromString,
+                _registered_method=True)
+        self.SetBeta = channel.unary_unary(
+                '/millpond.v1.Replay/SetBeta',
+                request_serializer=millpond_dot_v1_dot_replay__pb2.SetBetaRequest.SerializeToString,
+                response_deserializer=millpond_dot_v1_dot_replay__pb2.SetBetaReply.FromString,
+                _registered_method=True)
 
 
 class ReplayServicer:
@@ -136,6 +146,20 @@ class ReplayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdatePriorities(self, request, context):
+        """Prioritized buffers: new priorities for sampled records (evicted ones are ignored).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetBeta(self, request, context):
+        """Prioritized buffers: the importance-sampling exponent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +202,16 @@ def add_ReplayServicer_to_server(servicer, server):
                     servicer.Negotiate,
                     request_deserializer=millpond_dot_v1_dot_replay__pb2.NegotiateRequest.FromString,
                     response_serializer=millpond_dot_v1_dot_replay__pb2.NegotiateReply.SerializeToString,
+            ),
+            'UpdatePriorities': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdatePriorities,
+                    request_deserializer=millpond_dot_v1_dot_replay__pb2.UpdatePrioritiesRequest.FromString,
+                    response_serializer=millpond_dot_v1_dot_replay__pb2.UpdatePrioritiesReply.SerializeToString,
+            ),
+            'SetBeta': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetBeta,
+                    request_deserializer=millpond_dot_v1_dot_replay__pb2.SetBetaRequest.FromString,
+                    response_serializer=millpond_dot_v1_dot_replay__pb2.SetBetaReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,6 +430,60 @@ class Replay:
             '/millpond.v1.Replay/Negotiate',
             millpond_dot_v1_dot_replay__pb2.NegotiateRequest.SerializeToString,
             millpond_dot_v1_dot_replay__pb2.NegotiateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdatePriorities(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/millpond.v1.Replay/UpdatePriorities',
+            millpond_dot_v1_dot_replay__pb2.UpdatePrioritiesRequest.SerializeToString,
+            millpond_dot_v1_dot_replay__pb2.UpdatePrioritiesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetBeta(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/millpond.v1.Replay/SetBeta',
+            millpond_dot_v1_dot_replay__pb2.SetBetaRequest.SerializeToString,
+            millpond_dot_v1_dot_replay__pb2.SetBetaReply.FromString,
             options,
             channel_credentials,
             insecure,

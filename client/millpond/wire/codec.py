@@ -61,12 +61,24 @@ def check_column(name: str, dtype: str, shape: tuple[int, ...], nbytes: int
     return dt, shape
 
 
-def encode_config(schema: Schema, hot_capacity: int, total_capacity: int) -> pb.BufferConfig:
-    return pb.BufferConfig(
+def encode_config(schema: Schema, hot_capacity: int, total_capacity: int,
+                  prioritized: tuple[float, float] | None = None) -> pb.BufferConfig:
+    """``prioritized``: ``(alpha, beta)`` for a prioritized buffer, None for uniform."""
+    config = pb.BufferConfig(
         hot_capacity=hot_capacity,
         total_capacity=total_capacity,
         fields=[pb.FieldSpec(name=f.name, dtype=f.dtype.str, shape=f.shape) for f in schema],
     )
+    if prioritized is not None:
+        config.prioritized.alpha, config.prioritized.beta = prioritized
+    return config
+
+
+def decode_prioritized(config: pb.BufferConfig) -> tuple[float, float] | None:
+    """``(alpha, beta)`` of a prioritized buffer's config, None for uniform."""
+    if not config.HasField("prioritized"):
+        return None
+    return config.prioritized.alpha, config.prioritized.beta
 
 
 def decode_config(config: pb.BufferConfig) -> tuple[Schema, int, int]:

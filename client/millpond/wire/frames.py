@@ -27,6 +27,7 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 # Field numbers of the Batch inside the bulk messages (see replay.proto).
 PUSH_BATCH_FIELD = 2   # PushBatchRequest.batch
+PUSH_PRIORITIES_FIELD = 3  # PushBatchRequest.priorities (packed doubles)
 SAMPLE_BATCH_FIELD = 1  # SampleReply.batch
 
 
@@ -75,10 +76,10 @@ def _batch_parts(columns: Mapping[str, np.ndarray]) -> tuple[list, int]:
 
 
 def encode_with_batch(batch_field: int, columns: Mapping[str, np.ndarray],
-                      name: str | None = None) -> bytes:
+                      name: str | None = None, priorities: np.ndarray | None = None) -> bytes:
     """A message whose field 1 is ``name`` (if given) and ``batch_field`` a Batch.
 
-    ``encode_with_batch(2, cols, name)`` is a ``PushBatchRequest``;
+    ``encode_with_batch(2, cols, name, priorities)`` is a ``PushBatchRequest``;
     ``encode_with_batch(1, cols)`` is a ``SampleReply``.
     """
     parts, length = _batch_parts(columns)
@@ -87,6 +88,9 @@ def encode_with_batch(batch_field: int, columns: Mapping[str, np.ndarray],
         name_b = name.encode()
         head = _len_prefix(1, len(name_b)) + name_b
     head += _len_prefix(batch_field, length)  # present even when empty, as protobuf does
+    if priorities is not None and len(priorities):
+        packed = np.ascontiguousarray(priorities, "<f8").tobytes()
+        parts += [_len_prefix(PUSH_PRIORITIES_FIELD, len(packed)), packed]
     return b"".join([head, *parts])
 
 
@@ -188,6 +192,21 @@ def decode_batch_field(message: bytes | memoryview, batch_field: int) -> dict[st
                     raise ShapeMismatchError(f"column {name!r} appears twice")
                 columns[name] = arr
     return columns
+
+
+def decode_doubles(message: bytes | memoryview, field_number: int) -> np.ndarray:
+    """A repeated double field (packed or not) of ``message``."""
+    chunks = []
+    for field, wire_type, value in iter_fields(memoryview(message)):
+        if field != field_number:
+            continue
+        if wire_type == _LEN:
+            if len(value) % 8:
+                raise InvalidArgumentError("malformed message: packed doubles of odd length")
+            chunks.append(np.frombuffer(value, "<f8"))
+        elif wire_type == _I64:
+            chunks.append(np.frombuffer(value, "<f8"))
+    return np.concatenate(chunks) if chunks else np.empty(0, np.float64)
 
 
 def decode_name(message: bytes | memoryview) -> str:
