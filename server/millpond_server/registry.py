@@ -36,8 +36,9 @@ def check_name(name: object) -> str:
     return name
 
 
-def describe(schema: Schema, hot: int, total: int) -> str:
-    return f"hot={hot} total={total} fields={schema.spec()}"
+def describe(schema: Schema, hot: int, total: int, alpha: float | None = None) -> str:
+    sampling = "uniform" if alpha is None else f"prioritized alpha={alpha}"
+    return f"hot={hot} total={total} {sampling} fields={schema.spec()}"
 
 
 class DataDirLockedError(OSError):
@@ -111,8 +112,8 @@ class Registry:
                         has_alpha) != (schema, hot, total, wants_alpha):
                     raise ConfigMismatchError(
                         f"buffer {name!r} exists with a different config: has "
-                        f"{describe(existing.schema, existing.hot_capacity, existing.total_capacity)}"
-                        f", asked for {describe(schema, hot, total)}"
+                        f"{describe(existing.schema, existing.hot_capacity, existing.total_capacity, has_alpha)}"
+                        f", asked for {describe(schema, hot, total, wants_alpha)}"
                     )
                 return existing, False
             options = dict(cold_path=path, persistent=True, sync_every_push=self.sync_every_push)
