@@ -126,13 +126,11 @@ class RemoteBuffer:
         """
         self._check_open()
         limit = self._client.push_batch_size
-        if priority is not None:
-            n, batch = self.schema.coerce_batch(self.schema.coerce_record(record))
+        if priority is not None or limit <= 1:  # sent now, after what is queued
+            prios = None if priority is None else check_priorities([priority], 1)
+            batch = self.schema.coerce_record(record)
             self.flush()
-            self._store(n, batch, check_priorities([priority], 1))
-            return
-        if limit <= 1:
-            self._store(*self.schema.coerce_batch(self.schema.coerce_record(record)))
+            self._store(1, batch, prios)
             return
         if self._batcher is None:
             fits = max(1, (self._client.max_message_bytes - _FRAMING_BYTES) // self.schema.record_nbytes)

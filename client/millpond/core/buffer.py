@@ -104,7 +104,6 @@ class TieredBuffer:
                 f"{path} belonged to a non-persistent buffer: its hot records were never in it"
             )
         buffer = cls.__new__(cls)
-        buffer.file_meta = file.meta
         buffer._setup(file.schema, file.meta["hot_capacity"], file.meta["total_capacity"],
                       file, sync_every_push)
         buffer._pushed, buffer._first, buffer._hot_lo = file.pushed, file.first, file.hot_lo
@@ -137,8 +136,7 @@ class TieredBuffer:
         self.schema = schema
         self.hot_capacity = hot
         self.total_capacity = total
-        # Reentrant: a subclass (prioritized) wraps a push in the same lock.
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         # Live records are seqs [_first, _pushed); those from _hot_lo on are hot.
         self._pushed = self._first = self._hot_lo = 0
         # Damaged records found at reopen (skip_corrupt): live seqs never served.
@@ -158,10 +156,6 @@ class TieredBuffer:
             weakref.finalize(self, file.close, not persistent)
 
     # ---- sizes --------------------------------------------------------------
-
-    @property
-    def cold_capacity(self) -> int:
-        return self.total_capacity - self.hot_capacity
 
     @property
     def cold_path(self) -> str | None:
@@ -217,10 +211,7 @@ class TieredBuffer:
     def push(self, record: Mapping[str, Any]) -> None:
         """Append one record (``{field: value}``); validated before anything changes."""
         self._check_open()
-        batch = self.schema.coerce_record(record)
-        with self._lock:
-            self._check_open()
-            self._append(1, batch)
+        self._store(1, self.schema.coerce_record(record))
 
     def push_batch(self, columns: Mapping[str, Any]) -> int:
         """Append a batch (``{field: array[n, ...]}``); return n.
@@ -230,12 +221,16 @@ class TieredBuffer:
         """
         self._check_open()
         n, batch = self.schema.coerce_batch(columns)
-        with self._lock:
-            self._check_open()
-            self._append(n, batch)
+        self._store(n, batch)
         return n
 
-    def _append(self, n: int, batch: Mapping[str, np.ndarray]) -> None:
+    def _store(self, n: int, batch: Mapping[str, np.ndarray], extra: Any = None) -> None:
+        """Append a validated batch; ``extra`` goes to :meth:`_appended` (e.g. priorities)."""
+        with self._lock:
+            self._check_open()
+            self._append(n, batch, extra)
+
+    def _append(self, n: int, batch: Mapping[str, np.ndarray], extra: Any = None) -> None:
         """Store a validated batch (lock held).
 
         Persistent buffers commit in three steps so that a crash at any point
@@ -258,9 +253,9 @@ class TieredBuffer:
         self._commit(old, first, hot_lo)  # (2) spilled records now read from cold
         self._hot.write(max(old, hot_lo), new, batch, old)
         self._commit(new, first, hot_lo, final=True)  # (3) the push is in
-        self._appended(old, new)
+        self._appended(old, new, extra)
 
-    def _appended(self, old: int, new: int) -> None:
+    def _appended(self, old: int, new: int, extra: Any) -> None:
         """Hook after records ``old..new-1`` became live (lock held); nothing here."""
 
     def _commit(self, pushed: int, first: int, hot_lo: int, final: bool = False) -> None:

@@ -191,7 +191,8 @@ class BufferFile:
     def read_meta(mm: mmap.mmap, path: str) -> tuple[dict, int]:
         """Parse and check the header of a mapped file; return (metadata, pushed)."""
         meta, _ = _read_meta(mm, path)
-        return meta, _read_commit(mm, path)[1]  # (generation, pushed, ...)[1]
+        _, pushed, _, _ = _read_commit(mm, path)
+        return meta, pushed
 
     # ---- writes ----------------------------------------------------------------------
 

@@ -71,36 +71,26 @@ class PrioritizedTieredBuffer(TieredBuffer):
         self.beta = _check_exponent("beta", beta)
         self.max_priority = 1.0
         self._tree = SumTree(self.total_capacity)
-        self._incoming: np.ndarray | None = None
 
     # ---- writes ---------------------------------------------------------------
 
     def push(self, record: Mapping[str, Any], priority: float | None = None) -> None:
         """Append one record with ``priority`` (default: the largest seen so far)."""
-        prios = None if priority is None else check_priorities([priority], 1)
-        with self._lock:
-            self._incoming = prios
-            try:
-                super().push(record)
-            finally:
-                self._incoming = None
+        self._check_open()
+        batch = self.schema.coerce_record(record)
+        self._store(1, batch, None if priority is None else check_priorities([priority], 1))
 
     def push_batch(self, columns: Mapping[str, Any], priorities: Any = None) -> int:
         """Append a batch with one priority per record (default: the largest seen so far)."""
-        n, _ = self.schema.coerce_batch(columns)  # validate before the priorities need n
-        prios = None if priorities is None else check_priorities(priorities, n)
-        with self._lock:
-            self._incoming = prios
-            try:
-                return super().push_batch(columns)
-            finally:
-                self._incoming = None
+        self._check_open()
+        n, batch = self.schema.coerce_batch(columns)
+        self._store(n, batch, None if priorities is None else check_priorities(priorities, n))
+        return n
 
-    def _appended(self, old: int, new: int) -> None:
+    def _appended(self, old: int, new: int, prios: np.ndarray | None) -> None:
         start = max(old, self._first)
         if start >= new:
             return
-        prios = self._incoming
         values = (np.full(new - start, self.max_priority) if prios is None
                   else prios[len(prios) - (new - start):])
         if prios is not None and len(values):
