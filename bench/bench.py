@@ -245,7 +245,7 @@ def shared_memory_section(results: dict, server: ServerProcess, seconds: float) 
     cart_out = {f.name: np.empty((SAMPLE_BATCH,) + f.shape, f.dtype) for f in cart.schema}
     shm_p50 = latency_p50(lambda: cart_shm.sample(SAMPLE_BATCH), seconds) * 1e6
     numpy_p50 = latency_p50(lambda: cart_ring.sample(SAMPLE_BATCH, out=cart_out), seconds) * 1e6
-    print(f"\nSame host, shared memory (client.transport == 'shm'):")
+    print("\nSame host, shared memory (client.transport == 'shm'):")
     for op, value, unit, limit_name, limit, target in rows:
         print(f"  {op:22} {value:7.2f} {unit} vs {limit_name} {limit:6.2f} {unit}"
               f" = {value / limit:.2f}x (target {target})")
@@ -287,7 +287,7 @@ def durability_section(tmp: Path, seconds: float) -> None:
 
 def prioritized_section(tmp: Path, quick: bool, seconds: float) -> None:
     """Prioritized sample(256) and update_priorities(256) beside uniform sampling (in-process)."""
-    print(f"\nPrioritized replay, in-process (target: sample >= 0.5x uniform)")
+    print("\nPrioritized replay, in-process (target: sample >= 0.5x uniform)")
     for w in workloads(quick):
         uniform = TieredBuffer(w.schema, w.hot, w.total, tmp / f"u-{w.name}.cold")
         prio = PrioritizedTieredBuffer(w.schema, w.hot, w.total, tmp / f"p-{w.name}.cold")

@@ -37,3 +37,33 @@ from .errors import (
 )
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Buffer",
+    "BufferClosedError",
+    "BufferNotFoundError",
+    "Client",
+    "ConfigMismatchError",
+    "CorruptFileError",
+    "DTypeMismatchError",
+    "DeadlineExceededError",
+    "Field",
+    "FieldMismatchError",
+    "InternalError",
+    "InvalidArgumentError",
+    "InvalidBatchSizeError",
+    "InvalidConfigError",
+    "MessageTooLargeError",
+    "MmapReplayBuffer",
+    "NotEnoughDataError",
+    "PrioritizedReplayBuffer",
+    "ReplayBuffer",
+    "ReplayError",
+    "Schema",
+    "ServerUnavailableError",
+    "ShapeMismatchError",
+    "SharedMemoryError",
+    "StorageFullError",
+    "StorageIOError",
+    "connect",
+]

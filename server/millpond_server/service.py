@@ -125,10 +125,6 @@ def _passthrough_or_serialize(message) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def _identity(data: bytes) -> bytes:
-    return data
-
-
 def prioritized(buffer: TieredBuffer) -> PrioritizedTieredBuffer:
     if not isinstance(buffer, PrioritizedTieredBuffer):
         raise InvalidArgumentError("priorities are for prioritized buffers; this one is uniform")
@@ -242,7 +238,7 @@ def add_to_server(service: ReplayService, server: grpc.aio.Server) -> None:
     requests = {
         "Create": pb.CreateRequest.FromString,
         "Push": pb.PushRequest.FromString,
-        "PushBatch": _identity,
+        "PushBatch": None,  # handed over as bytes, parsed on the pool
         "Sample": pb.SampleRequest.FromString,
         "Close": pb.CloseRequest.FromString,
         "Info": pb.InfoRequest.FromString,
