@@ -272,8 +272,8 @@ def test_bad_push_batch_is_invalid_and_changes_nothing(stub, name, case):
     batch, code = BAD[case]
     create(stub, name, hot=4, total=10)
     push_batch(stub, name, transitions(6))
-    before = info(stub, name)
     snapshot = sample(stub, name, 6, seed=9)
+    before = info(stub, name)
     expect_error(grpc.StatusCode.INVALID_ARGUMENT, code, stub.PushBatch,
                  pb.PushBatchRequest(name=name, batch=batch), timeout=TIMEOUT)
     after = info(stub, name)

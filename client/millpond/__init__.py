@@ -14,6 +14,7 @@ Remote (same methods, same results, same exceptions)::
 from .api import Buffer, MmapReplayBuffer, PrioritizedReplayBuffer, ReplayBuffer
 from .client import Client, connect
 from .core import Field, Schema
+from .core.ratelimit import MinSize, Queue, RateLimiter, SampleToInsertRatio
 from .errors import (
     BufferClosedError,
     BufferNotFoundError,
@@ -28,6 +29,7 @@ from .errors import (
     InvalidConfigError,
     MessageTooLargeError,
     NotEnoughDataError,
+    RateLimitTimeoutError,
     ReplayError,
     ServerUnavailableError,
     ShapeMismatchError,
@@ -54,11 +56,16 @@ __all__ = [
     "InvalidBatchSizeError",
     "InvalidConfigError",
     "MessageTooLargeError",
+    "MinSize",
     "MmapReplayBuffer",
     "NotEnoughDataError",
     "PrioritizedReplayBuffer",
+    "Queue",
+    "RateLimitTimeoutError",
+    "RateLimiter",
     "ReplayBuffer",
     "ReplayError",
+    "SampleToInsertRatio",
     "Schema",
     "ServerUnavailableError",
     "ShapeMismatchError",

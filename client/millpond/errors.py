@@ -119,6 +119,12 @@ class DeadlineExceededError(ReplayError, TimeoutError):
     code = "DEADLINE_EXCEEDED"
 
 
+class RateLimitTimeoutError(DeadlineExceededError):
+    """A push or sample waited for the buffer's rate limiter until its timeout; nothing changed."""
+
+    code = "RATE_LIMIT_TIMEOUT"
+
+
 class ServerUnavailableError(ReplayError, ConnectionError):
     """The server cannot be reached (not started, dead, or shutting down)."""
 

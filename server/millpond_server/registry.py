@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 from millpond.core import Schema, TieredBuffer
+from millpond.core.buffer import check_capacities, check_sampling
+from millpond.wire.codec import DEFAULT_SAMPLING
 from millpond.core.prioritized import PrioritizedTieredBuffer, open_buffer
 from millpond.errors import BufferNotFoundError, ConfigMismatchError, InvalidArgumentError
 
@@ -36,9 +38,11 @@ def check_name(name: object) -> str:
     return name
 
 
-def describe(schema: Schema, hot: int, total: int, alpha: float | None = None) -> str:
-    sampling = "uniform" if alpha is None else f"prioritized alpha={alpha}"
-    return f"hot={hot} total={total} {sampling} fields={schema.spec()}"
+def describe(schema: Schema, hot: int, total: int, alpha: float | None, sampling) -> str:
+    mode, max_times, limiter = sampling
+    how = "uniform" if alpha is None else f"prioritized alpha={alpha}"
+    return (f"hot={hot} total={total} {how} mode={mode} max_times_sampled={max_times or 0} "
+            f"rate_limiter={limiter and limiter.to_dict()} fields={schema.spec()}")
 
 
 class DataDirLockedError(OSError):
@@ -94,13 +98,17 @@ class Registry:
         return len(paths)
 
     def create(self, name: str, schema: Schema, hot: int, total: int,
-               prioritized: tuple[float, float] | None = None) -> tuple[TieredBuffer, bool]:
+               prioritized: tuple[float, float] | None = None,
+               sampling=DEFAULT_SAMPLING) -> tuple[TieredBuffer, bool]:
         """Create ``name`` or attach to it; return ``(buffer, created)``.
 
-        ``prioritized`` is ``(alpha, beta)`` for a prioritized buffer. Attaching
-        requires the identical configuration (schema, capacities, sampling and
+        ``prioritized`` is ``(alpha, beta)`` for a prioritized buffer;
+        ``sampling`` is ``(mode, max_times_sampled, rate_limiter)``. Attaching
+        requires the identical configuration (schema, capacities, sampling,
         alpha; beta may have been annealed), else :class:`ConfigMismatchError`.
         """
+        hot, total = check_capacities(hot, total)
+        sampling = check_sampling(*sampling, total)
         path = self.cold_path(name)
         with self._create_lock:
             with self._lock:
@@ -108,15 +116,18 @@ class Registry:
             if existing is not None:
                 has_alpha = getattr(existing, "alpha", None)
                 wants_alpha = prioritized[0] if prioritized else None
-                if (existing.schema, existing.hot_capacity, existing.total_capacity,
-                        has_alpha) != (schema, hot, total, wants_alpha):
+                has = (existing.schema, existing.hot_capacity, existing.total_capacity,
+                       has_alpha, existing.sampling)
+                wants = (schema, hot, total, wants_alpha, sampling)
+                if has != wants:
                     raise ConfigMismatchError(
                         f"buffer {name!r} exists with a different config: has "
-                        f"{describe(existing.schema, existing.hot_capacity, existing.total_capacity, has_alpha)}"
-                        f", asked for {describe(schema, hot, total, wants_alpha)}"
-                    )
+                        f"{describe(*has)}, asked for {describe(*wants)}")
                 return existing, False
-            options = dict(cold_path=path, persistent=True, sync_every_push=self.sync_every_push)
+            mode, max_times_sampled, rate_limiter = sampling
+            options = dict(cold_path=path, persistent=True, sync_every_push=self.sync_every_push,
+                           mode=mode, max_times_sampled=max_times_sampled,
+                           rate_limiter=rate_limiter)
             if prioritized:
                 alpha, beta = prioritized
                 buffer = PrioritizedTieredBuffer(schema, hot, total, alpha=alpha, beta=beta,

@@ -13,6 +13,12 @@ Bulk paths avoid needless copies of multi-megabyte payloads:
   :mod:`millpond.wire.frames` into views of those bytes (no copy);
 * ``Sample`` replies are encoded on the pool by the same module: the gathered
   arrays are joined once into the reply's wire bytes, sent as they are.
+
+Rate-limited pushes and samples never wait on the pool (a few waiting
+learners would starve every other buffer): the pool only *tries* them
+(``timeout=0``); while they would wait, the handler awaits the buffer's next
+change on the event loop, up to the call's deadline. A client that goes away
+cancels its handler, and with it the wait.
 """
 
 from __future__ import annotations
@@ -30,13 +36,20 @@ from millpond.errors import (
     InternalError,
     InvalidArgumentError,
     MessageTooLargeError,
+    RateLimitTimeoutError,
     ReplayError,
     StorageIOError,
 )
 from millpond.shm.protocol import read_boot_id
 from millpond.v1 import replay_pb2 as pb
 from millpond.core.prioritized import PrioritizedTieredBuffer
-from millpond.wire.codec import decode_batch, decode_config, decode_prioritized, encode_config
+from millpond.wire.codec import (
+    decode_batch,
+    decode_config,
+    decode_prioritized,
+    decode_sampling,
+    encode_config,
+)
 from millpond.wire.frames import (
     PUSH_BATCH_FIELD,
     PUSH_PRIORITIES_FIELD,
@@ -104,14 +117,15 @@ def buffer_info(name: str, buffer: TieredBuffer) -> pb.BufferInfo:
     return pb.BufferInfo(
         name=name,
         config=encode_config(buffer.schema, info["hot_capacity"], info["total_capacity"],
-                             prioritized),
-        size=info["size"],
-        pushed=info["pushed"],
-        hot_size=info["hot_size"],
-        cold_size=info["cold_size"],
-        record_nbytes=info["record_nbytes"],
+                             prioritized, buffer.sampling),
         cold_path=info["cold_path"] or "",
+        **{key: info[key] for key in _INFO_NUMBERS},
     )
+
+
+_INFO_NUMBERS = ("size", "pushed", "hot_size", "cold_size", "record_nbytes", "inserts",
+                 "samples", "insert_waits", "sample_waits", "insert_wait_seconds",
+                 "sample_wait_seconds", "samples_per_insert")
 
 
 def sample_reply_nbytes(schema: Schema, batch_size: int) -> int:
@@ -123,6 +137,44 @@ def sample_reply_nbytes(schema: Schema, batch_size: int) -> int:
 
 def _passthrough_or_serialize(message) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+class _WouldWait(Exception):
+    """A try on the pool found the rate limiter closed: retry ``call`` once it may pass."""
+
+    def __init__(self, buffer: TieredBuffer, kind: str, n: int, call: Callable):
+        super().__init__(kind)
+        self.buffer, self.kind, self.n, self.call = buffer, kind, n, call
+
+
+def attempt(buffer: TieredBuffer, kind: str, n: int, call: Callable):
+    """Run ``call()`` (an engine call with ``timeout=0``); raise _WouldWait if it would wait."""
+    try:
+        return call()
+    except RateLimitTimeoutError:
+        raise _WouldWait(buffer, kind, n, call) from None
+
+
+class _Waiters:
+    """The handlers waiting for one buffer to change, and the event that wakes them.
+
+    The buffer calls :meth:`changed` from any thread, with its lock held;
+    only when someone waits does that cost a hop to the loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, buffer: TieredBuffer):
+        self.loop = loop
+        self.count = 0
+        self.event = asyncio.Event()
+        buffer.add_listener(self.changed)
+
+    def changed(self) -> None:
+        if self.count:
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        self.event.set()
+        self.event = asyncio.Event()
 
 
 def prioritized(buffer: TieredBuffer) -> PrioritizedTieredBuffer:
@@ -146,40 +198,90 @@ class ReplayService:
         self.executor = executor
         self.max_message_mb = max_message_mb
         self.max_message_bytes = max_message_mb * 1024 * 1024
+        self._waiters: dict[int, _Waiters] = {}  # by id(buffer); set up on the first wait
 
     async def _run(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def _admit(self, context, fn: Callable, *args):
+        """Run ``fn(*args)`` on the pool; if it must wait for a rate limiter, wait here."""
+        try:
+            return await self._run(fn, *args)
+        except _WouldWait as wait:
+            return await self._wait_and_retry(context, wait)
+
+    async def _wait_and_retry(self, context, wait: _WouldWait):
+        """Retry ``wait.call`` each time its buffer changes, until it passes or the
+        call's deadline (less a margin, so the caller gets our clear error)."""
+        loop = asyncio.get_running_loop()
+        buffer, start = wait.buffer, loop.time()
+        waiters = self._waiters.get(id(buffer))
+        if waiters is None:
+            waiters = self._waiters[id(buffer)] = _Waiters(loop, buffer)
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else start + remaining - min(0.05, remaining / 10)
+        waiters.count += 1
+        try:
+            while True:
+                event = waiters.event  # before the check: a change after it sets this one
+                if not buffer.would_wait(wait.kind, wait.n):
+                    try:
+                        return await self._run(attempt, buffer, wait.kind, wait.n, wait.call)
+                    except _WouldWait:
+                        pass
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
+                    raise RateLimitTimeoutError(
+                        f"{wait.kind} of {wait.n} records waited {loop.time() - start:.3g} s "
+                        f"for the rate limiter until the call's deadline "
+                        f"({buffer._rate.describe(len(buffer))}); pass a longer timeout")
+                try:
+                    await asyncio.wait_for(event.wait(), left)
+                except TimeoutError:
+                    pass
+        finally:
+            waiters.count -= 1
+            buffer.note_wait(wait.kind, loop.time() - start)
 
     async def Create(self, request: pb.CreateRequest, context) -> pb.BufferInfo:
         name = check_name(request.name)
         schema, hot, total = decode_config(request.config)
         prioritized = decode_prioritized(request.config)
-        buffer, _ = await self._run(self.registry.create, name, schema, hot, total, prioritized)
+        sampling = decode_sampling(request.config)
+        buffer, _ = await self._run(self.registry.create, name, schema, hot, total, prioritized,
+                                    sampling)
         return await self._run(buffer_info, name, buffer)
 
     async def Push(self, request: pb.PushRequest, context) -> pb.PushReply:
         buffer = self.registry.get(request.name)
         record = decode_batch(request.record)
-        return await self._run(self._push, buffer, record)
+        return await self._admit(context, attempt, buffer, "insert", 1,
+                                 functools.partial(self._push, buffer, record))
 
     @staticmethod
     def _push(buffer: TieredBuffer, record: dict) -> pb.PushReply:
-        buffer.push(record)
+        buffer.push(record, timeout=0)
         return pb.PushReply(size=len(buffer), pushed=buffer.pushed)
 
     async def PushBatch(self, request: bytes, context) -> pb.PushReply:
         # Arrives unparsed (see add_to_server): parsing megabytes stays off the loop.
-        return await self._run(self._push_batch, request)
+        return await self._admit(context, self._push_batch, request)
 
     def _push_batch(self, raw: bytes) -> pb.PushReply:
         # Columns are views of the request bytes: the push is their only copy.
         buffer = self.registry.get(decode_name(raw))
         columns = decode_batch_field(raw, PUSH_BATCH_FIELD)
         priorities = decode_doubles(raw, PUSH_PRIORITIES_FIELD)
+        n = len(next(iter(columns.values()))) if columns else 0
+        return attempt(buffer, "insert", n, functools.partial(
+            self._push_columns, buffer, columns, priorities))
+
+    @staticmethod
+    def _push_columns(buffer: TieredBuffer, columns: dict, priorities) -> pb.PushReply:
         if len(priorities):
-            prioritized(buffer).push_batch(columns, priorities)
+            prioritized(buffer).push_batch(columns, priorities, timeout=0)
         else:
-            buffer.push_batch(columns)
+            buffer.push_batch(columns, timeout=0)
         return pb.PushReply(size=len(buffer), pushed=buffer.pushed)
 
     async def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest,
@@ -196,7 +298,8 @@ class ReplayService:
     async def Sample(self, request: pb.SampleRequest, context) -> bytes:
         buffer = self.registry.get(request.name)
         seed = request.seed if request.HasField("seed") else None
-        return await self._run(self._sample, buffer, request.batch_size, seed)
+        return await self._admit(context, attempt, buffer, "sample", request.batch_size,
+                                 functools.partial(self._sample, buffer, request.batch_size, seed))
 
     def _sample(self, buffer: TieredBuffer, batch_size: int, seed: int | None) -> bytes:
         if batch_size > 0:
@@ -208,7 +311,7 @@ class ReplayService:
                     f"{self.max_message_mb} ({self.max_message_bytes:,} bytes); "
                     "sample fewer records per call"
                 )
-        return encode_with_batch(SAMPLE_BATCH_FIELD, buffer.sample(batch_size, seed))
+        return encode_with_batch(SAMPLE_BATCH_FIELD, buffer.sample(batch_size, seed, timeout=0))
 
     async def Close(self, request: pb.CloseRequest, context) -> pb.CloseReply:
         await self._run(self.registry.close, request.name)

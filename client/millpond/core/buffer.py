@@ -19,6 +19,7 @@ import numbers
 import os
 import tempfile
 import threading
+import time
 import weakref
 from typing import Any, Mapping
 
@@ -31,10 +32,15 @@ from ..errors import (
     InvalidBatchSizeError,
     InvalidConfigError,
     NotEnoughDataError,
+    RateLimitTimeoutError,
 )
 from .bufferfile import BufferFile
+from .ratelimit import Queue, RateLimiter, RateState
 from .schema import Schema
+from .sumtree import SumTree
 from .tier import Tier
+
+MODES = ("replay", "queue", "stack")
 
 
 def check_capacities(hot_capacity: Any, total_capacity: Any) -> tuple[int, int]:
@@ -47,6 +53,35 @@ def check_capacities(hot_capacity: Any, total_capacity: Any) -> tuple[int, int]:
             f"total_capacity ({total_capacity}) must be >= hot_capacity ({hot_capacity})"
         )
     return int(hot_capacity), int(total_capacity)
+
+
+def check_sampling(mode: Any, max_times_sampled: Any, rate_limiter: Any,
+                   total_capacity: int) -> tuple[str, int | None, RateLimiter | None]:
+    """Validate how a buffer is sampled; return ``(mode, max_times_sampled, rate_limiter)``.
+
+    ``queue`` and ``stack`` remove what they return and default to a
+    :func:`~millpond.core.ratelimit.Queue` limiter of ``total_capacity``
+    (pushes wait when full, samples when too few records are held).
+    """
+    if mode not in MODES:
+        raise InvalidConfigError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if max_times_sampled is not None:
+        if (not isinstance(max_times_sampled, numbers.Integral)
+                or isinstance(max_times_sampled, bool) or max_times_sampled < 0):
+            raise InvalidConfigError(
+                f"max_times_sampled must be an integer >= 0 (0: unlimited), got {max_times_sampled!r}")
+        max_times_sampled = int(max_times_sampled) or None
+    if max_times_sampled is not None and mode != "replay":
+        raise InvalidConfigError(f"a {mode} removes every record it returns: "
+                                 "max_times_sampled is for mode='replay'")
+    if rate_limiter is not None and not isinstance(rate_limiter, RateLimiter):
+        if not isinstance(rate_limiter, Mapping):
+            raise InvalidConfigError(
+                "rate_limiter must come from millpond.MinSize, SampleToInsertRatio or Queue")
+        rate_limiter = RateLimiter.from_dict(rate_limiter)
+    if rate_limiter is None and mode != "replay":
+        rate_limiter = Queue(total_capacity)
+    return mode, max_times_sampled, rate_limiter
 
 
 class TieredBuffer:
@@ -62,6 +97,14 @@ class TieredBuffer:
     of the process; ``release()`` unmaps it and keeps the file, and
     :meth:`open` brings it back. ``sync_every_push`` makes each push wait for
     its pages to reach the disk (msync) before it returns.
+
+    Sampling: ``mode="replay"`` (the default) draws with replacement and
+    keeps records until they are evicted, or until they have been sampled
+    ``max_times_sampled`` times. ``mode="queue"`` returns the oldest records
+    and removes them (FIFO), ``mode="stack"`` the newest, newest first
+    (LIFO). A ``rate_limiter`` (:mod:`millpond.core.ratelimit`) makes pushes
+    and samples wait, up to their ``timeout``, while they would break it;
+    waits end early when the buffer is closed.
     """
 
     def __init__(
@@ -74,16 +117,22 @@ class TieredBuffer:
         persistent: bool = False,
         sync_every_push: bool = False,
         file_meta: Mapping[str, Any] | None = None,
+        mode: str = "replay",
+        max_times_sampled: int | None = None,
+        rate_limiter: RateLimiter | None = None,
     ):
         hot, total = check_capacities(hot_capacity, total_capacity)
+        sampling = check_sampling(mode, max_times_sampled, rate_limiter, total)
         file = None
         if persistent or total > hot:
             if cold_path is None and persistent:
                 raise InvalidConfigError("a persistent buffer needs a file path")
             path = os.fspath(cold_path) if cold_path is not None else _temp_cold_path()
+            meta = {**(file_meta or {}), **_sampling_meta(*sampling)}
             file = BufferFile.create(path, schema, hot, total, persistent=persistent,
-                                     extra_meta=file_meta)
+                                     extra_meta=meta)
         self._setup(schema, hot, total, file, sync_every_push)
+        self._setup_sampling(*sampling)
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, sync_every_push: bool = False,
@@ -108,6 +157,14 @@ class TieredBuffer:
                       file, sync_every_push)
         buffer._pushed, buffer._first, buffer._hot_lo = file.pushed, file.first, file.hot_lo
         buffer._check_records(skip_corrupt, progress)
+        meta = file.meta
+        buffer._setup_sampling(meta.get("mode", "replay"), meta.get("max_times_sampled"),
+                               meta.get("rate_limiter") and RateLimiter.from_dict(meta["rate_limiter"]))
+        buffer._rate.restart(len(buffer), removes=buffer.mode != "replay")
+        if buffer._tree is not None:  # uniform with max_times_sampled: counts restart at 0
+            live = np.arange(buffer._first, buffer._pushed)
+            buffer._tree.update(live % buffer.total_capacity, np.ones(len(live)),
+                                unset=np.isin(live, buffer._holes))
         return buffer
 
     def _check_records(self, skip_corrupt: bool, progress=None) -> None:
@@ -137,6 +194,10 @@ class TieredBuffer:
         self.hot_capacity = hot
         self.total_capacity = total
         self._lock = threading.Lock()
+        # Waiting pushes and samples sleep here; every change that may let
+        # them proceed notifies it (and the listeners, e.g. a server's loop).
+        self._changed_cond = threading.Condition(self._lock)
+        self._listeners: list = []
         # Live records are seqs [_first, _pushed); those from _hot_lo on are hot.
         self._pushed = self._first = self._hot_lo = 0
         # Damaged records found at reopen (skip_corrupt): live seqs never served.
@@ -155,12 +216,30 @@ class TieredBuffer:
             # the buffer is persistent.
             weakref.finalize(self, file.close, not persistent)
 
+    def _setup_sampling(self, mode: str, max_times_sampled: int | None,
+                        rate_limiter: RateLimiter | None) -> None:
+        self.mode = mode
+        self.max_times_sampled = max_times_sampled
+        self.rate_limiter = rate_limiter
+        self._rate = RateState(rate_limiter)
+        # max_times_sampled: draws per record slot, and a 0/1 tree to draw
+        # uniformly among the records not yet used up (_removed of them).
+        self._times = np.zeros(self.total_capacity, np.uint32) if max_times_sampled else None
+        self._removed = 0
+        if not hasattr(self, "_tree"):  # a prioritized buffer brings its own
+            self._tree = SumTree(self.total_capacity) if max_times_sampled else None
+
     # ---- sizes --------------------------------------------------------------
 
     @property
     def cold_path(self) -> str | None:
         """The buffer's file (cold tier, and hot tier when persistent), if any."""
         return self._file.path if self._file else None
+
+    @property
+    def sampling(self) -> tuple[str, int | None, RateLimiter | None]:
+        """``(mode, max_times_sampled, rate_limiter)``, as :func:`check_sampling` returns."""
+        return self.mode, self.max_times_sampled, self.rate_limiter
 
     @property
     def pushed(self) -> int:
@@ -172,7 +251,7 @@ class TieredBuffer:
         return self._size()
 
     def _size(self) -> int:
-        return self._pushed - self._first - len(self._holes)
+        return self._pushed - self._first - len(self._holes) - self._removed
 
     @property
     def damaged(self) -> int:
@@ -204,31 +283,95 @@ class TieredBuffer:
                 "total_capacity": self.total_capacity,
                 "record_nbytes": self.schema.record_nbytes,
                 "cold_path": self.cold_path,
+                "mode": self.mode,
+                "max_times_sampled": self.max_times_sampled or 0,
+                "rate_limiter": self.rate_limiter and self.rate_limiter.to_dict(),
+                **self._rate.stats(),
             }
 
     # ---- writes ---------------------------------------------------------------
 
-    def push(self, record: Mapping[str, Any]) -> None:
-        """Append one record (``{field: value}``); validated before anything changes."""
-        self._check_open()
-        self._store(1, self.schema.coerce_record(record))
+    def push(self, record: Mapping[str, Any], *, timeout: float | None = None) -> None:
+        """Append one record (``{field: value}``); validated before anything changes.
 
-    def push_batch(self, columns: Mapping[str, Any]) -> int:
+        With a rate limiter, waits up to ``timeout`` seconds (None: no limit)
+        while the push would break it, then raises RateLimitTimeoutError.
+        """
+        self._check_open()
+        self._store(1, self.schema.coerce_record(record), timeout=timeout)
+
+    def push_batch(self, columns: Mapping[str, Any], *, timeout: float | None = None) -> int:
         """Append a batch (``{field: array[n, ...]}``); return n.
 
         Validated in full before anything changes: a rejected batch leaves the
         buffer exactly as it was. An empty batch is accepted and stores nothing.
+        ``timeout``: as for :meth:`push`; the batch is admitted whole or not at all.
         """
         self._check_open()
         n, batch = self.schema.coerce_batch(columns)
-        self._store(n, batch)
+        self._store(n, batch, timeout=timeout)
         return n
 
-    def _store(self, n: int, batch: Mapping[str, np.ndarray], extra: Any = None) -> None:
+    def _store(self, n: int, batch: Mapping[str, np.ndarray], extra: Any = None,
+               timeout: float | None = None) -> None:
         """Append a validated batch; ``extra`` goes to :meth:`_appended` (e.g. priorities)."""
+        timeout = check_timeout(timeout)
+        if self.rate_limiter is not None and n:
+            self.rate_limiter.check_insert(n)
         with self._lock:
             self._check_open()
+            if n:
+                self._await("insert", lambda: self._rate.can_insert(n, self._size()), timeout)
             self._append(n, batch, extra)
+            self._rate.inserts += n
+            self._changed()
+
+    def _await(self, kind: str, ready, timeout: float | None) -> None:
+        """Wait (lock held) until ``ready()``, at most ``timeout`` seconds; count the wait."""
+        if ready():
+            return
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        try:
+            while not ready():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise RateLimitTimeoutError(
+                        f"{kind} timed out after {timeout:g} s waiting for the rate limiter "
+                        f"({self._rate.describe(self._size())})")
+                self._changed_cond.wait(remaining)
+                self._check_open()
+        finally:
+            if timeout != 0:  # a try-only call (timeout 0) is not a wait
+                self._rate.waited_for(kind, time.monotonic() - start)
+
+    def _changed(self) -> None:
+        """Wake waiting pushes and samples (lock held): the state has changed."""
+        if self._rate.limiter is not None:
+            self._changed_cond.notify_all()
+            for listener in self._listeners:
+                listener()
+
+    def add_listener(self, listener) -> None:
+        """Call ``listener()`` (cheap, non-blocking, lock held) after every change that
+        may let a rate-limited push or sample proceed, and at close: for waiters
+        that cannot sleep on this buffer's condition, like an event loop."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def would_wait(self, kind: str, n: int) -> bool:
+        """Whether a push (``kind="insert"``) or sample of ``n`` records would wait now.
+
+        A hint read without the lock: the call itself decides.
+        """
+        if kind == "insert":
+            return not self._rate.can_insert(n, self._size())
+        return not self._sample_ready(n)
+
+    def note_wait(self, kind: str, seconds: float) -> None:
+        """Count a wait done outside the buffer (a server waiting asynchronously)."""
+        with self._lock:
+            self._rate.waited_for(kind, seconds)
 
     def _append(self, n: int, batch: Mapping[str, np.ndarray], extra: Any = None) -> None:
         """Store a validated batch (lock held).
@@ -256,15 +399,22 @@ class TieredBuffer:
         self._appended(old, new, extra)
 
     def _appended(self, old: int, new: int, extra: Any) -> None:
-        """Hook after records ``old..new-1`` became live (lock held); nothing here."""
+        """Hook after records ``old..new-1`` became live (lock held): fresh sample counts."""
+        if self._times is not None:
+            slots = np.arange(max(old, self._first), new) % self.total_capacity
+            self._times[slots] = 0
+            self._tree.update(slots, np.ones(len(slots)))
 
     def _commit(self, pushed: int, first: int, hot_lo: int, final: bool = False) -> None:
         """Adopt the live ranges; record them in the file if persistent (or ``final``)."""
         first = min(first, pushed)
         hot_lo = min(max(hot_lo, first), pushed)
+        if self._removed and first > self._first:  # used-up records leave with the evicted
+            gone = np.arange(self._first, first) % self.total_capacity
+            self._removed -= int((self._times[gone] >= self.max_times_sampled).sum())
         self._pushed, self._first, self._hot_lo = pushed, first, hot_lo
-        if len(self._holes):  # damaged records leave with the evicted ones
-            self._holes = self._holes[self._holes >= first]
+        if len(self._holes):  # damaged records leave with the evicted ones (or popped)
+            self._holes = self._holes[(self._holes >= first) & (self._holes < pushed)]
         if self._file is not None and (self.persistent or final):
             self._file.commit(pushed, first, hot_lo)
             if self._sync_every_push:
@@ -277,33 +427,63 @@ class TieredBuffer:
         batch_size: int,
         seed: int | None = None,
         out: Mapping[str, np.ndarray] | None = None,
+        *,
+        timeout: float | None = None,
     ) -> dict[str, np.ndarray]:
-        """Draw ``batch_size`` records uniformly (with replacement) from hot + cold.
+        """Draw ``batch_size`` records from hot + cold.
 
-        The same contents and ``seed`` give the same batch; ``seed=None`` draws
-        fresh entropy. Rows holding cold records come first, then hot ones
-        (each group in draw order): the batch as a multiset is i.i.d. uniform,
-        positions are not exchangeable. ``out`` may supply the destination
-        arrays (``{field: array[batch_size, *shape]}``), e.g. shared memory.
+        Replay mode draws uniformly with replacement. The same contents and
+        ``seed`` give the same batch; ``seed=None`` draws fresh entropy. Rows
+        holding cold records come first, then hot ones (each group in draw
+        order): the batch as a multiset is i.i.d. uniform, positions are not
+        exchangeable. Queue mode returns (and removes) the oldest records,
+        oldest first; stack mode the newest, newest first. ``out`` may supply
+        the destination arrays (``{field: array[batch_size, *shape]}``), e.g.
+        shared memory. With a rate limiter (always, in queue and stack
+        modes) waits up to ``timeout`` seconds (None: no limit) while the
+        sample would break it; without one, asking for more records than are
+        held raises NotEnoughDataError at once.
         """
         batch_size = check_batch_size(batch_size)
         seed = check_seed(seed)
+        timeout = check_timeout(timeout)
+        if self.rate_limiter is not None:
+            self.rate_limiter.check_sample(batch_size)
         with self._lock:
             self._check_open()
-            size = self._size()
-            if batch_size > size:
-                raise NotEnoughDataError(f"batch_size {batch_size} > buffer len {size}")
-            # Unseeded draws share one generator (guarded by the lock): making
-            # a fresh one costs more than sampling 256 small records.
-            rng = self._rng if seed is None else np.random.default_rng(seed)
-            seqs, extras = self._draw(rng, batch_size)
-            if extras:  # rows come back cold first, then hot: keep extras in step
-                order = np.argsort(seqs >= self._hot_lo, kind="stable")
-                seqs, extras = seqs[order], {k: v[order] for k, v in extras.items()}
-            return {**self._gather(seqs, out), **extras}
+            if self.rate_limiter is None and batch_size > self._size():
+                raise NotEnoughDataError(f"batch_size {batch_size} > buffer len {self._size()}")
+            self._await("sample", lambda: self._sample_ready(batch_size), timeout)
+            if self.mode != "replay":
+                result = self._pop(batch_size, out)
+            else:
+                # Unseeded draws share one generator (guarded by the lock): making
+                # a fresh one costs more than sampling 256 small records.
+                rng = self._rng if seed is None else np.random.default_rng(seed)
+                seqs, extras = self._draw(rng, batch_size)
+                if self._times is not None:
+                    seqs, extras = self._use_up(rng, seqs, extras)
+                if extras:  # rows come back cold first, then hot: keep extras in step
+                    order = np.argsort(seqs >= self._hot_lo, kind="stable")
+                    seqs, extras = seqs[order], {k: v[order] for k, v in extras.items()}
+                result = {**self._gather(seqs, out), **extras}
+            self._rate.samples += batch_size
+            self._changed()
+            return result
+
+    def _sample_ready(self, batch_size: int) -> bool:
+        """Whether a sample of ``batch_size`` may proceed now (lock held)."""
+        size = self._size()
+        if self.mode != "replay" or self._times is not None:
+            if size < batch_size:  # it takes batch_size distinct records (or draws left)
+                return False
+        return self._rate.can_sample(batch_size, size)
 
     def _draw(self, rng: np.random.Generator, batch_size: int) -> tuple[np.ndarray, dict]:
         """Which live records to sample (lock held); uniform here. Returns (seqs, extra keys)."""
+        if self._tree is not None:  # some records are used up: draw among the others
+            leaves = self._tree.find(rng.random(batch_size) * self._tree.total)
+            return self._first + (leaves - self._first) % self.total_capacity, {}
         seqs = rng.integers(self._first, self._pushed, size=batch_size)
         if len(self._holes):  # redraw any damaged record: uniform over the intact
             hit = np.isin(seqs, self._holes)
@@ -312,22 +492,79 @@ class TieredBuffer:
                 hit = np.isin(seqs, self._holes)
         return seqs, {}
 
+    def _use_up(self, rng: np.random.Generator, seqs: np.ndarray,
+                extras: dict) -> tuple[np.ndarray, dict]:
+        """Count the draws of ``seqs`` against ``max_times_sampled`` (lock held).
+
+        Draws are with replacement, so one batch may draw a record more often
+        than it has draws left: those surplus rows are redrawn among the
+        records not used up. A record reaching the limit leaves the tree (it
+        is never drawn again) and stops counting towards ``len``.
+        """
+        limit, times = self.max_times_sampled, self._times
+        pending = np.arange(len(seqs))
+        while len(pending):
+            slots = seqs[pending] % self.total_capacity
+            order = np.argsort(slots, kind="stable")
+            ordered = slots[order]
+            starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+            counts = np.diff(np.r_[starts, len(ordered)])
+            unique = ordered[starts]
+            left = (limit - times[unique]).astype(np.int64)
+            rank = np.arange(len(ordered)) - np.repeat(starts, counts)  # nth draw of its slot
+            surplus = np.empty(len(ordered), bool)
+            surplus[order] = rank >= np.repeat(left, counts)
+            times[unique] += np.minimum(counts, left).astype(np.uint32)
+            done = unique[times[unique] >= limit]
+            self._removed += len(done)
+            self._tree.update(done, np.zeros(len(done)), unset=np.ones(len(done), bool))
+            pending = pending[surplus]
+            if len(pending):  # the size check before sampling leaves enough draws
+                redrawn, more = self._draw(rng, len(pending))
+                seqs[pending] = redrawn
+                for key, column in more.items():
+                    extras[key][pending] = column
+        return seqs, extras
+
+    def _pop(self, batch_size: int, out: Mapping[str, np.ndarray] | None) -> dict:
+        """Queue: remove and return the oldest records, oldest first. Stack: the
+        newest, newest first (lock held; the size was checked)."""
+        if self.mode == "queue":
+            span = np.arange(self._first, min(self._pushed, self._first + batch_size + len(self._holes)))
+            seqs = np.setdiff1d(span, self._holes, assume_unique=True)[:batch_size]
+            result = self._gather(seqs, out)
+            self._commit(self._pushed, int(seqs[-1]) + 1, self._hot_lo, final=True)
+        else:
+            span = np.arange(max(self._first, self._pushed - batch_size - len(self._holes)), self._pushed)
+            seqs = np.setdiff1d(span, self._holes, assume_unique=True)[-batch_size:][::-1]
+            result = self._gather(seqs, out, hot_first=True)
+            self._commit(int(seqs[-1]), self._first, self._hot_lo, final=True)
+        return result
+
     def contents(self) -> dict[str, np.ndarray]:
         """Every live record, oldest first (a copy): for export, checks and tests."""
         with self._lock:
             self._check_open()
-            seqs = np.arange(self._first, self._pushed)
-            return self._gather(np.setdiff1d(seqs, self._holes, assume_unique=True), None)
+            seqs = np.setdiff1d(np.arange(self._first, self._pushed), self._holes,
+                                assume_unique=True)
+            if self._removed:
+                seqs = seqs[self._times[seqs % self.total_capacity] < self.max_times_sampled]
+            return self._gather(seqs, None)
 
-    def _gather(self, seqs: np.ndarray, out: Mapping[str, np.ndarray] | None) -> dict:
-        """Copy live records ``seqs`` into ``out``: cold ones first, then hot (lock held)."""
+    def _gather(self, seqs: np.ndarray, out: Mapping[str, np.ndarray] | None,
+                hot_first: bool = False) -> dict:
+        """Copy live records ``seqs`` into ``out``: cold ones first, then hot, each
+        in the order given (hot first if ``hot_first``). Lock held."""
         if out is None:
             out = {f.name: np.empty((len(seqs),) + f.shape, f.dtype) for f in self.schema}
         is_hot = seqs >= self._hot_lo
         cold_seqs, hot_seqs = seqs[~is_hot], seqs[is_hot]
+        if hot_first:
+            self._hot.gather(hot_seqs, out, 0)
         if len(cold_seqs):
-            self._cold.gather(cold_seqs, out, 0)
-        self._hot.gather(hot_seqs, out, len(cold_seqs))
+            self._cold.gather(cold_seqs, out, len(hot_seqs) if hot_first else 0)
+        if not hot_first:
+            self._hot.gather(hot_seqs, out, len(cold_seqs))
         return dict(out)
 
     # ---- lifecycle ------------------------------------------------------------
@@ -355,6 +592,7 @@ class TieredBuffer:
             if self._closed:
                 return
             self._closed = True
+            self._changed()  # waiters wake up and raise BufferClosedError
             self._hot.release()
             if self._file is not None:
                 self._file.close(delete=delete)
@@ -377,6 +615,22 @@ def check_seed(seed: Any) -> int | None:
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 2**64:
         raise InvalidArgumentError(f"seed must be None or an integer in [0, 2**64), got {seed!r}")
     return int(seed)
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """Return ``timeout`` (None, or seconds >= 0) as a float, or raise InvalidArgumentError."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, numbers.Real) or isinstance(timeout, bool) or not timeout >= 0:
+        raise InvalidArgumentError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+    return float(timeout)
+
+
+def _sampling_meta(mode: str, max_times_sampled: int | None,
+                   rate_limiter: RateLimiter | None) -> dict[str, Any]:
+    """How a buffer samples, as recorded in its file (reopened the same way)."""
+    return {"mode": mode, "max_times_sampled": max_times_sampled,
+            "rate_limiter": rate_limiter and rate_limiter.to_dict()}
 
 
 def check_batch_size(batch_size: Any) -> int:

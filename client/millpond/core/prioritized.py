@@ -74,17 +74,21 @@ class PrioritizedTieredBuffer(TieredBuffer):
 
     # ---- writes ---------------------------------------------------------------
 
-    def push(self, record: Mapping[str, Any], priority: float | None = None) -> None:
+    def push(self, record: Mapping[str, Any], priority: float | None = None, *,
+             timeout: float | None = None) -> None:
         """Append one record with ``priority`` (default: the largest seen so far)."""
         self._check_open()
         batch = self.schema.coerce_record(record)
-        self._store(1, batch, None if priority is None else check_priorities([priority], 1))
+        self._store(1, batch, None if priority is None else check_priorities([priority], 1),
+                    timeout)
 
-    def push_batch(self, columns: Mapping[str, Any], priorities: Any = None) -> int:
+    def push_batch(self, columns: Mapping[str, Any], priorities: Any = None, *,
+                   timeout: float | None = None) -> int:
         """Append a batch with one priority per record (default: the largest seen so far)."""
         self._check_open()
         n, batch = self.schema.coerce_batch(columns)
-        self._store(n, batch, None if priorities is None else check_priorities(priorities, n))
+        self._store(n, batch, None if priorities is None else check_priorities(priorities, n),
+                    timeout)
         return n
 
     def _appended(self, old: int, new: int, prios: np.ndarray | None) -> None:

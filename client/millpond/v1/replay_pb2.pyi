@@ -17,16 +17,34 @@ class FieldSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BufferConfig(_message.Message):
-    __slots__ = ("hot_capacity", "total_capacity", "fields", "prioritized")
+    __slots__ = ("hot_capacity", "total_capacity", "fields", "prioritized", "mode", "max_times_sampled", "rate_limiter")
     HOT_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     PRIORITIZED_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TIMES_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    RATE_LIMITER_FIELD_NUMBER: _ClassVar[int]
     hot_capacity: int
     total_capacity: int
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
     prioritized: Prioritized
-    def __init__(self, hot_capacity: _Optional[int] = ..., total_capacity: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., prioritized: _Optional[_Union[Prioritized, _Mapping]] = ...) -> None: ...
+    mode: str
+    max_times_sampled: int
+    rate_limiter: RateLimiter
+    def __init__(self, hot_capacity: _Optional[int] = ..., total_capacity: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., prioritized: _Optional[_Union[Prioritized, _Mapping]] = ..., mode: _Optional[str] = ..., max_times_sampled: _Optional[int] = ..., rate_limiter: _Optional[_Union[RateLimiter, _Mapping]] = ...) -> None: ...
+
+class RateLimiter(_message.Message):
+    __slots__ = ("samples_per_insert", "min_size_to_sample", "min_diff", "max_diff")
+    SAMPLES_PER_INSERT_FIELD_NUMBER: _ClassVar[int]
+    MIN_SIZE_TO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    MIN_DIFF_FIELD_NUMBER: _ClassVar[int]
+    MAX_DIFF_FIELD_NUMBER: _ClassVar[int]
+    samples_per_insert: float
+    min_size_to_sample: int
+    min_diff: float
+    max_diff: float
+    def __init__(self, samples_per_insert: _Optional[float] = ..., min_size_to_sample: _Optional[int] = ..., min_diff: _Optional[float] = ..., max_diff: _Optional[float] = ...) -> None: ...
 
 class Prioritized(_message.Message):
     __slots__ = ("alpha", "beta")
@@ -121,7 +139,7 @@ class InfoRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class BufferInfo(_message.Message):
-    __slots__ = ("name", "config", "size", "pushed", "hot_size", "cold_size", "record_nbytes", "cold_path")
+    __slots__ = ("name", "config", "size", "pushed", "hot_size", "cold_size", "record_nbytes", "cold_path", "inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds", "sample_wait_seconds", "samples_per_insert")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +148,13 @@ class BufferInfo(_message.Message):
     COLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RECORD_NBYTES_FIELD_NUMBER: _ClassVar[int]
     COLD_PATH_FIELD_NUMBER: _ClassVar[int]
+    INSERTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    INSERT_WAITS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_WAITS_FIELD_NUMBER: _ClassVar[int]
+    INSERT_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_INSERT_FIELD_NUMBER: _ClassVar[int]
     name: str
     config: BufferConfig
     size: int
@@ -138,7 +163,14 @@ class BufferInfo(_message.Message):
     cold_size: int
     record_nbytes: int
     cold_path: str
-    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ..., size: _Optional[int] = ..., pushed: _Optional[int] = ..., hot_size: _Optional[int] = ..., cold_size: _Optional[int] = ..., record_nbytes: _Optional[int] = ..., cold_path: _Optional[str] = ...) -> None: ...
+    inserts: int
+    samples: int
+    insert_waits: int
+    sample_waits: int
+    insert_wait_seconds: float
+    sample_wait_seconds: float
+    samples_per_insert: float
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ..., size: _Optional[int] = ..., pushed: _Optional[int] = ..., hot_size: _Optional[int] = ..., cold_size: _Optional[int] = ..., record_nbytes: _Optional[int] = ..., cold_path: _Optional[str] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., insert_waits: _Optional[int] = ..., sample_waits: _Optional[int] = ..., insert_wait_seconds: _Optional[float] = ..., sample_wait_seconds: _Optional[float] = ..., samples_per_insert: _Optional[float] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ()

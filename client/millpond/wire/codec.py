@@ -13,10 +13,14 @@ from typing import Mapping
 
 import numpy as np
 
+from ..core.ratelimit import RateLimiter
 from ..core.schema import Schema, plain_dtype
 from ..errors import DTypeMismatchError, InvalidConfigError, ShapeMismatchError
 from ..v1 import replay_pb2 as pb
 
+# How a buffer samples: (mode, max_times_sampled or None, rate limiter or None).
+Sampling = tuple[str, "int | None", "RateLimiter | None"]
+DEFAULT_SAMPLING: Sampling = ("replay", None, None)
 
 
 def encode_batch(columns: Mapping[str, np.ndarray]) -> pb.Batch:
@@ -62,8 +66,10 @@ def check_column(name: str, dtype: str, shape: tuple[int, ...], nbytes: int
 
 
 def encode_config(schema: Schema, hot_capacity: int, total_capacity: int,
-                  prioritized: tuple[float, float] | None = None) -> pb.BufferConfig:
-    """``prioritized``: ``(alpha, beta)`` for a prioritized buffer, None for uniform."""
+                  prioritized: tuple[float, float] | None = None,
+                  sampling: Sampling = DEFAULT_SAMPLING) -> pb.BufferConfig:
+    """``prioritized``: ``(alpha, beta)`` for a prioritized buffer, None for uniform.
+    ``sampling``: ``(mode, max_times_sampled, rate_limiter)``."""
     config = pb.BufferConfig(
         hot_capacity=hot_capacity,
         total_capacity=total_capacity,
@@ -71,6 +77,14 @@ def encode_config(schema: Schema, hot_capacity: int, total_capacity: int,
     )
     if prioritized is not None:
         config.prioritized.alpha, config.prioritized.beta = prioritized
+    mode, max_times_sampled, limiter = sampling
+    config.mode = "" if mode == "replay" else mode
+    config.max_times_sampled = max_times_sampled or 0
+    if limiter is not None:
+        config.rate_limiter.CopyFrom(pb.RateLimiter(
+            samples_per_insert=limiter.samples_per_insert,
+            min_size_to_sample=limiter.min_size_to_sample,
+            min_diff=limiter.min_diff, max_diff=limiter.max_diff))
     return config
 
 
@@ -79,6 +93,15 @@ def decode_prioritized(config: pb.BufferConfig) -> tuple[float, float] | None:
     if not config.HasField("prioritized"):
         return None
     return config.prioritized.alpha, config.prioritized.beta
+
+
+def decode_sampling(config: pb.BufferConfig) -> Sampling:
+    """``(mode, max_times_sampled, rate_limiter)``; raises InvalidConfigError."""
+    limiter = None
+    if config.HasField("rate_limiter"):
+        r = config.rate_limiter
+        limiter = RateLimiter(r.samples_per_insert, r.min_size_to_sample, r.min_diff, r.max_diff)
+    return config.mode or "replay", config.max_times_sampled or None, limiter
 
 
 def decode_config(config: pb.BufferConfig) -> tuple[Schema, int, int]:

@@ -1,0 +1,198 @@
+"""When inserts and samples may proceed: Reverb's rate-limiter rule, plus its statistics.
+
+A :class:`RateLimiter` is configuration (immutable, part of a buffer's
+config); a :class:`RateState` is one buffer's counters. The rule, for ``n``
+records to insert or ``k`` to sample, with ``inserts`` and ``samples``
+counted since the buffer was created (or reopened) and ``size`` the records
+it holds now::
+
+    insert may proceed  iff  size + n <= min_size_to_sample
+                             or (inserts + n) * samples_per_insert - samples <= max_diff
+    sample may proceed  iff  size >= min_size_to_sample
+                             and inserts * samples_per_insert - (samples + k) >= min_diff
+
+So ``inserts * samples_per_insert - samples`` stays within ``[min_diff,
+max_diff]``: learners cannot run ahead of actors, nor actors ahead of
+learners, by more than the band. No locking here: the buffer's lock guards
+the state, and the buffer does the waiting.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import InvalidArgumentError, InvalidConfigError
+
+
+@dataclass(frozen=True)
+class RateLimiter:
+    """How far samples may run ahead of (or behind) ``samples_per_insert * inserts``.
+
+    Build one with :func:`MinSize`, :func:`SampleToInsertRatio` or :func:`Queue`.
+    """
+
+    samples_per_insert: float = 1.0
+    min_size_to_sample: int = 1
+    min_diff: float = -math.inf
+    max_diff: float = math.inf
+
+    def __post_init__(self) -> None:
+        spi, size = self.samples_per_insert, self.min_size_to_sample
+        if not isinstance(spi, numbers.Real) or isinstance(spi, bool) or not 0 < spi < math.inf:
+            raise InvalidConfigError(f"samples_per_insert must be a finite number > 0, got {spi!r}")
+        if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
+            raise InvalidConfigError(f"min_size_to_sample must be an integer >= 1, got {size!r}")
+        for label in ("min_diff", "max_diff"):
+            value = getattr(self, label)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or math.isnan(value):
+                raise InvalidConfigError(f"{label} must be a number, got {value!r}")
+        if not self.min_diff <= self.max_diff:
+            raise InvalidConfigError(
+                f"min_diff ({self.min_diff}) must be <= max_diff ({self.max_diff})")
+        object.__setattr__(self, "samples_per_insert", float(spi))
+        object.__setattr__(self, "min_size_to_sample", int(size))
+        object.__setattr__(self, "min_diff", float(self.min_diff))
+        object.__setattr__(self, "max_diff", float(self.max_diff))
+
+    @property
+    def band(self) -> float:
+        return self.max_diff - self.min_diff
+
+    @property
+    def centre(self) -> float:
+        """The diff at the middle of the band (where counters restart after a reopen)."""
+        if math.isinf(self.band):
+            return self.samples_per_insert * self.min_size_to_sample
+        return (self.min_diff + self.max_diff) / 2
+
+    def check_insert(self, n: int) -> None:
+        """Reject a batch that could never be admitted, even with no one else around."""
+        if n * self.samples_per_insert > self.band and n > self.min_size_to_sample:
+            raise InvalidArgumentError(
+                f"a batch of {n} records can never pass this buffer's rate limiter: "
+                f"{n} x samples_per_insert {self.samples_per_insert:g} exceeds its tolerance "
+                f"band of {self.band:g}; push smaller batches"
+            )
+
+    def check_sample(self, k: int) -> None:
+        if k > self.band:
+            raise InvalidArgumentError(
+                f"a sample of {k} records can never pass this buffer's rate limiter: it "
+                f"exceeds its tolerance band of {self.band:g}; sample smaller batches"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form (infinities as None)."""
+        return {k: (None if isinstance(v, float) and math.isinf(v) else v)
+                for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> "RateLimiter":
+        min_diff, max_diff = spec.get("min_diff"), spec.get("max_diff")
+        return cls(spec["samples_per_insert"], spec["min_size_to_sample"],
+                   -math.inf if min_diff is None else min_diff,
+                   math.inf if max_diff is None else max_diff)
+
+
+def MinSize(min_size_to_sample: int) -> RateLimiter:  # noqa: N802 (a preset, named like Reverb's)
+    """Block sampling until the buffer holds ``min_size_to_sample`` records; nothing else."""
+    return RateLimiter(1.0, min_size_to_sample)
+
+
+def SampleToInsertRatio(samples_per_insert: float, min_size_to_sample: int,  # noqa: N802
+                        error_buffer: float | tuple[float, float]) -> RateLimiter:
+    """Hold sampled records per inserted record near ``samples_per_insert``.
+
+    ``error_buffer`` is the tolerance: a number ``e`` allows the diff
+    ``inserts * samples_per_insert - samples`` to stray ``e`` either side of
+    ``samples_per_insert * min_size_to_sample``; a pair is ``(min_diff,
+    max_diff)`` directly. Keep the band wider than one push batch times
+    ``samples_per_insert`` plus one sample batch, or a waiting push and a
+    waiting sample can only end by timing out.
+    """
+    if isinstance(error_buffer, tuple):
+        min_diff, max_diff = error_buffer
+    else:
+        if not isinstance(error_buffer, numbers.Real) or isinstance(error_buffer, bool) \
+                or not error_buffer >= 0:
+            raise InvalidConfigError(f"error_buffer must be a number >= 0, got {error_buffer!r}")
+        offset = samples_per_insert * min_size_to_sample
+        min_diff, max_diff = offset - error_buffer, offset + error_buffer
+    return RateLimiter(samples_per_insert, min_size_to_sample, min_diff, max_diff)
+
+
+def Queue(size: int) -> RateLimiter:  # noqa: N802
+    """A queue of at most ``size`` records: inserts wait when full, samples when empty.
+
+    Meant for buffers whose sampling removes what it returns (queue and stack
+    modes), where ``inserts - samples`` is the number of records held.
+    """
+    return RateLimiter(1.0, 1, 0.0, float(size))
+
+
+class RateState:
+    """One buffer's counters, its waits, and the rule applied to them (lock held by caller)."""
+
+    def __init__(self, limiter: RateLimiter | None):
+        self.limiter = limiter
+        self.inserts = 0
+        self.samples = 0
+        self.offset = 0.0  # added to the diff: a reopened buffer restarts mid-band
+        self.waits = {"insert": 0, "sample": 0}
+        self.waited = {"insert": 0.0, "sample": 0.0}
+
+    def restart(self, size: int, removes: bool) -> None:
+        """After a reopen (counters are not persisted): where should the diff be?
+
+        When every sample removes a record (queue, stack), ``size`` records
+        are ``size`` inserts not yet sampled; otherwise restart mid-band.
+        """
+        if self.limiter is not None:
+            self.offset = (size * self.limiter.samples_per_insert if removes
+                           else self.limiter.centre)
+
+    def diff(self, inserts: int = 0, samples: int = 0) -> float:
+        """``inserts * samples_per_insert - samples``, after the given extra ones."""
+        spi = self.limiter.samples_per_insert if self.limiter else 1.0
+        return (self.inserts + inserts) * spi - (self.samples + samples) + self.offset
+
+    def can_insert(self, n: int, size: int) -> bool:
+        lim = self.limiter
+        if lim is None or size + n <= lim.min_size_to_sample:
+            return True
+        return self.diff(inserts=n) <= lim.max_diff
+
+    def can_sample(self, k: int, size: int) -> bool:
+        lim = self.limiter
+        if lim is None:
+            return True
+        if size < lim.min_size_to_sample:
+            return False
+        return self.diff(samples=k) >= lim.min_diff
+
+    def describe(self, size: int) -> str:
+        """The state in words, for timeout messages."""
+        lim = self.limiter
+        if lim is None:
+            return f"{size} records held"
+        return (f"{size} records held, min size to sample {lim.min_size_to_sample}; "
+                f"{self.inserts} inserts x {lim.samples_per_insert:g} - {self.samples} samples "
+                f"= diff {self.diff():g}, allowed band [{lim.min_diff:g}, {lim.max_diff:g}]")
+
+    def waited_for(self, kind: str, seconds: float) -> None:
+        self.waits[kind] += 1
+        self.waited[kind] += seconds
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "inserts": self.inserts,
+            "samples": self.samples,
+            "insert_waits": self.waits["insert"],
+            "sample_waits": self.waits["sample"],
+            "insert_wait_seconds": self.waited["insert"],
+            "sample_wait_seconds": self.waited["sample"],
+            "samples_per_insert": self.samples / self.inserts if self.inserts else 0.0,
+        }
