@@ -164,6 +164,12 @@ class RemoteBuffer:
         seqs = np.asarray(indices, np.int64).reshape(-1)
         values = check_priorities(priorities, len(seqs))
         self.flush()
+        session = self._client.connection.fast_path()
+        if session is not None:  # a learner calls this after every sample: skip gRPC's latency
+            try:
+                return session.update_priorities(self.name, seqs, values, self._client.timeout)
+            except SharedMemoryError as exc:
+                log.warning("shared memory refused an update (%s); sending it over gRPC", exc)
         reply = self._client.stub.UpdatePriorities(
             pb.UpdatePrioritiesRequest(name=self.name, indices=seqs.tolist(),
                                        priorities=values.tolist()),
@@ -173,6 +179,10 @@ class RemoteBuffer:
     @translate_rpc_errors
     def set_beta(self, beta: float) -> None:
         self._check_open()
+        session = self._client.connection.fast_path()
+        if session is not None:
+            session.set_beta(self.name, float(beta), self._client.timeout)
+            return
         self._client.stub.SetBeta(pb.SetBetaRequest(name=self.name, beta=float(beta)),
                                   timeout=self._client.timeout)
 
@@ -182,15 +192,14 @@ class RemoteBuffer:
 
     @translate_rpc_errors
     def _store(self, n: int, batch: dict[str, np.ndarray], priorities: np.ndarray | None = None) -> None:
-        """Send validated columns: through shared memory if we can, else gRPC.
-
-        Prioritized buffers use gRPC for now: the fast path carries no priorities.
-        """
+        """Send validated columns (and priorities): through shared memory if we can, else gRPC."""
         connection = self._client.connection
-        session = None if self.prioritized else connection.fast_path()
+        session = connection.fast_path()
         if session is not None:
+            # No priorities and an empty list are the same push, as on the gRPC wire.
+            prios = priorities if priorities is not None and len(priorities) else None
             try:
-                session.push_batch(self.name, self.schema, n, batch, self._client.timeout)
+                session.push_batch(self.name, self.schema, n, batch, self._client.timeout, prios)
                 return
             except SharedMemoryError as exc:
                 log.warning("shared memory refused a push (%s); sending it over gRPC", exc)
@@ -205,11 +214,11 @@ class RemoteBuffer:
         batch_size, seed = check_batch_size(batch_size), check_seed(seed)
         self.flush()
         connection = self._client.connection
-        session = None if self.prioritized else connection.fast_path()
+        session = connection.fast_path()
         if session is not None:
             try:
                 return session.sample(self.name, self.schema, batch_size, seed,
-                                      self._client.timeout)
+                                      self._client.timeout, self.prioritized)
             except (SharedMemoryError, ResultPoolExhausted) as exc:
                 log.info("sampling over gRPC this time: %s", exc)
         request = pb.SampleRequest(name=self.name, batch_size=batch_size)

@@ -26,9 +26,11 @@ from typing import Any
 import numpy as np
 
 from millpond.core.buffer import check_batch_size, check_seed
+from millpond.core.prioritized import PrioritizedTieredBuffer
 from millpond.errors import (
     InternalError,
     InvalidArgumentError,
+    InvalidConfigError,
     ReplayError,
     SharedMemoryError,
     StorageIOError,
@@ -143,6 +145,8 @@ class Session(threading.Thread):
             "push": self.push,
             "result_segment": self.new_result_segment,
             "sample": self.sample,
+            "update_priorities": self.update_priorities,
+            "set_beta": self.set_beta,
             "release": self.release,
         }
 
@@ -258,8 +262,56 @@ class Session(threading.Thread):
         for entry in columns:
             name, array = self._column_view(mm, buffer.schema, entry, n)
             views[name] = array
-        buffer.push_batch(views)  # checks the field set; copies the views once
+        if "priorities" in message:  # values checked by the engine, as over gRPC
+            prioritized = _prioritized(buffer)
+            priorities = self._vector(mm, message["priorities"], protocol.PRIORITY_DTYPE, n,
+                                      "priorities")
+            prioritized.push_batch(views, priorities)
+        else:
+            buffer.push_batch(views)  # checks the field set; copies the views once
         return {"ok": True, "size": len(buffer), "pushed": buffer.pushed}, []
+
+    def update_priorities(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
+        self._no_fds(fds)
+        buffer = _prioritized(self._buffer(message))
+        mm = self._segment(self.push_segments, message.get("segment"))
+        n = message.get("n")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise InvalidArgumentError(f"n must be a non-negative integer, got {n!r}")
+        indices = self._vector(mm, message.get("indices"), protocol.INDEX_DTYPE, n, "indices")
+        priorities = self._vector(mm, message.get("priorities"), protocol.PRIORITY_DTYPE, n,
+                                  "priorities")
+        return {"ok": True, "updated": buffer.update_priorities(indices, priorities)}, []
+
+    def set_beta(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
+        self._no_fds(fds)
+        buffer = _prioritized(self._buffer(message))
+        beta = message.get("beta")
+        if not isinstance(beta, float):  # the client sends floats; the engine checks the range
+            raise InvalidConfigError(f"beta must be a finite number >= 0, got {beta!r}")
+        buffer.set_beta(beta)
+        return {"ok": True}, []
+
+    @staticmethod
+    def _vector(mm: mmap.mmap, entry: Any, dtype: np.dtype, n: int, what: str) -> np.ndarray:
+        """A copy of the ``[offset, dtype, [n]]`` vector in a client's segment.
+
+        A copy, not a view: the client can still write its segment, and the
+        engine must not see values change after it checked them.
+        """
+        if not (isinstance(entry, list) and len(entry) == 3):
+            raise InvalidArgumentError(f"{what} must be [offset, dtype, [n]]")
+        offset, dtype_str, shape = entry
+        if dtype_str != dtype.str or shape != [n]:
+            raise InvalidArgumentError(f"{what}: expected {dtype.str}{[n]}, got {dtype_str}{shape}")
+        nbytes = n * dtype.itemsize
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 \
+                or offset % dtype.itemsize or offset + nbytes > len(mm):
+            raise InvalidArgumentError(
+                f"{what}: {nbytes:,} bytes at offset {offset!r} do not fit the "
+                f"{len(mm):,}-byte segment"
+            )
+        return np.frombuffer(mm, dtype, n, offset).copy()
 
     def _column_view(self, mm: mmap.mmap, schema, entry: Any, n: int) -> tuple[str, np.ndarray]:
         if not (isinstance(entry, list) and len(entry) == 4):
@@ -290,7 +342,8 @@ class Session(threading.Thread):
         batch_size = check_batch_size(message.get("batch_size"))
         seed = check_seed(message.get("seed"))
         offset = message.get("offset")
-        spans, total = protocol.layout(buffer.schema, batch_size)
+        prioritized = isinstance(buffer, PrioritizedTieredBuffer)
+        spans, extra_spans, total = protocol.sample_layout(buffer.schema, batch_size, prioritized)
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 \
                 or offset % protocol.ALIGN or offset + total > len(mm):
             raise InvalidArgumentError(
@@ -298,17 +351,24 @@ class Session(threading.Thread):
                 f"{len(mm):,}-byte segment"
             )
         key = (message["segment"], offset, batch_size, buffer)
-        out = self._sample_views.get(key)
-        if out is None:  # learners repeat the same request shape: build views once
+        views = self._sample_views.get(key)
+        if views is None:  # learners repeat the same request shape: build views once
             if len(self._sample_views) >= 64:
                 self._sample_views.clear()
-            out = self._sample_views[key] = {
-                f.name: np.frombuffer(mm, f.dtype, batch_size * f.size, offset + spans[f.name][0])
-                .reshape((batch_size, *f.shape))
-                for f in buffer.schema
-            }
-        buffer.sample(batch_size, seed, out=out)
-        return {"ok": True}, []
+            views = self._sample_views[key] = (
+                {f.name: np.frombuffer(mm, f.dtype, batch_size * f.size, offset + spans[f.name][0])
+                 .reshape((batch_size, *f.shape))
+                 for f in buffer.schema},
+                {name: np.frombuffer(mm, protocol.SAMPLE_EXTRAS[name], batch_size, offset + start)
+                 for name, (start, _) in extra_spans.items()},
+            )
+        out, extras = views
+        result = buffer.sample(batch_size, seed, out=out)
+        # Weights and indices are small new arrays: one copy each into the segment.
+        written = [name for name in extras if name in result]
+        for name in written:
+            np.copyto(extras[name], result[name], casting="no")
+        return {"ok": True, "extras": written}, []
 
     # ---- helpers --------------------------------------------------------------------
 
@@ -344,6 +404,13 @@ class Session(threading.Thread):
             table.clear()
         self.conn.close()
         self.server._ended(self)
+
+
+def _prioritized(buffer) -> PrioritizedTieredBuffer:
+    """The buffer if it is prioritized; else the error gRPC gives (see service.prioritized)."""
+    if not isinstance(buffer, PrioritizedTieredBuffer):
+        raise InvalidArgumentError("priorities are for prioritized buffers; this one is uniform")
+    return buffer
 
 
 def _close_map(mm: mmap.mmap) -> None:

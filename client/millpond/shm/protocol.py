@@ -4,18 +4,30 @@ One ``SOCK_SEQPACKET`` message per request and per reply (the socket keeps
 message boundaries, so no framing). A message is a small JSON object; file
 descriptors travel beside it as ``SCM_RIGHTS`` ancillary data. Requests:
 
-==================  ===========================================  ======================
-op                  fields                                       reply
-==================  ===========================================  ======================
-``hello``           ``version``                                  ``version``
-``push_segment``    ``size`` (+ 1 fd: the client's sealed memfd)  ``segment``
-``push``            ``buffer``, ``segment``, ``n``, ``columns``  ``size``, ``pushed``
-                    (``[[name, offset, dtype, shape], ...]``)
-``result_segment``  ``size``                                     ``segment`` (+ 1 fd, read-only)
-``sample``          ``buffer``, ``segment``, ``offset``,          (columns at ``layout``)
-                    ``batch_size``, ``seed``
-``release``         ``segment``                                  -
-==================  ===========================================  ======================
+=====================  ===========================================  ======================
+op                     fields                                       reply
+=====================  ===========================================  ======================
+``hello``              ``version``                                  ``version``
+``push_segment``       ``size`` (+ 1 fd: the client's sealed memfd)  ``segment``
+``push``               ``buffer``, ``segment``, ``n``, ``columns``  ``size``, ``pushed``
+                       (``[[name, offset, dtype, shape], ...]``),
+                       optional ``priorities`` (``[offset, "<f8",
+                       [n]]``: prioritized buffers)
+``result_segment``     ``size``                                     ``segment`` (+ 1 fd, read-only)
+``sample``             ``buffer``, ``segment``, ``offset``,         ``extras`` (columns, then
+                       ``batch_size``, ``seed``                     extras: ``sample_layout``)
+``update_priorities``  ``buffer``, ``segment``, ``n``, ``indices``  ``updated``
+                       (``[offset, "<i8", [n]]``), ``priorities``
+                       (``[offset, "<f8", [n]]``)
+``set_beta``           ``buffer``, ``beta``                         -
+``release``            ``segment``                                  -
+=====================  ===========================================  ======================
+
+Priorities and indices travel in the client's push segment, not in the JSON:
+encoding floats as JSON costs about 1 us each (256 priorities: ~250 us, more
+than the whole round trip), and 4,096 of them would not fit in one message.
+A prioritized buffer's sample also writes its extra keys (``weights``,
+``indices``) after the columns; the reply names the ones it wrote.
 
 Every reply has ``ok``; a failed one carries ``code`` (a stable error code of
 :mod:`millpond.errors`) and ``message`` instead, and the client raises the
@@ -32,10 +44,15 @@ import socket
 import time
 from typing import Any
 
+import numpy as np
+
 from ..core.schema import Schema
 from ..errors import InvalidArgumentError, ReplayError, error_classes
 
-VERSION = 1
+# 2: priorities, update_priorities, set_beta and a sample's extras. A version
+# 1 server would ignore a push's priorities: the hello refuses the mismatch
+# and the client falls back to gRPC.
+VERSION = 2
 ALIGN = 64  # every column starts on a cache line
 MAX_MESSAGE = 64 * 1024
 MAX_FDS = 4
@@ -63,6 +80,27 @@ def layout(schema: Schema, n: int) -> tuple[dict[str, tuple[int, int]], int]:
         offsets[f.name] = (pos, nbytes)
         pos = _align(pos + nbytes)
     return offsets, max(pos, ALIGN)
+
+
+# A prioritized sample's extra keys, as the engine returns them, in segment order.
+SAMPLE_EXTRAS = {"weights": np.dtype(np.float32), "indices": np.dtype(np.int64)}
+PRIORITY_DTYPE = np.dtype(np.float64)
+INDEX_DTYPE = np.dtype(np.int64)
+
+
+@functools.lru_cache(maxsize=256)
+def sample_layout(schema: Schema, n: int, extras: bool) -> tuple[dict, dict, int]:
+    """:func:`layout`, then (if ``extras``) each of :data:`SAMPLE_EXTRAS` ``[n]``.
+
+    Returns ``(column spans, extra spans, total)``; cached, do not modify.
+    """
+    spans, pos = layout(schema, n)
+    extra_spans = {}
+    if extras:
+        for name, dtype in SAMPLE_EXTRAS.items():
+            extra_spans[name] = (pos, n * dtype.itemsize)
+            pos = _align(pos + n * dtype.itemsize)
+    return spans, extra_spans, pos
 
 
 def read_boot_id() -> str:

@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,7 @@ class ShmSession:
         self.broken = False  # a request failed mid-way: replies may be out of step
         self._push_segment: tuple[int, mmap.mmap] | None = None
         self._results: list[_ResultSegment] = []
+        self.served: Counter[str] = Counter()  # successful requests per op (observability)
 
     def _set_timeout(self, timeout: float) -> None:
         if timeout != self.timeout:
@@ -104,17 +106,22 @@ class ShmSession:
         except BaseException:
             protocol.close_fds(reply_fds)
             raise
+        self.served[message["op"]] += 1
         return reply, reply_fds
 
     # ---- push -----------------------------------------------------------------------
 
-    def push_batch(self, buffer: str, schema: Schema, n: int,
-                   columns: dict[str, np.ndarray], timeout: float) -> dict[str, Any]:
-        """Copy validated columns ``[n, *shape]`` into the push segment and store them."""
+    def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
+                   timeout: float, priorities: np.ndarray | None = None) -> dict[str, Any]:
+        """Copy validated columns ``[n, *shape]`` (and priorities) into the push segment; store them.
+
+        ``priorities``: float64[n], after the columns in the segment.
+        """
         spans, total = protocol.layout(schema, n)
+        size = total + (0 if priorities is None else n * protocol.PRIORITY_DTYPE.itemsize)
         with self._lock:
             self._set_timeout(timeout)
-            segment, mm = self._push_segment_for(total)
+            segment, mm = self._push_segment_for(size)
             described = []
             for f in schema:
                 offset, nbytes = spans[f.name]
@@ -122,9 +129,35 @@ class ShmSession:
                     target = np.frombuffer(mm, f.dtype, n * f.size, offset).reshape((n, *f.shape))
                     np.copyto(target, columns[f.name], casting="no")
                 described.append([f.name, offset, f.dtype.str, [n, *f.shape]])
-            reply, _ = self._request({"op": "push", "buffer": buffer, "segment": segment,
-                                      "n": n, "columns": described})
+            message = {"op": "push", "buffer": buffer, "segment": segment, "n": n,
+                       "columns": described}
+            if priorities is not None:
+                message["priorities"] = _write_vector(mm, total, priorities,
+                                                      protocol.PRIORITY_DTYPE)
+            reply, _ = self._request(message)
         return reply
+
+    # ---- priorities -----------------------------------------------------------------
+
+    def update_priorities(self, buffer: str, indices: np.ndarray, priorities: np.ndarray,
+                          timeout: float) -> int:
+        """Send int64 ``indices`` and float64 ``priorities`` through the push segment."""
+        n = len(indices)
+        start = n * protocol.INDEX_DTYPE.itemsize  # both 8-byte items: aligned back to back
+        with self._lock:
+            self._set_timeout(timeout)
+            segment, mm = self._push_segment_for(start + n * protocol.PRIORITY_DTYPE.itemsize)
+            reply, _ = self._request({
+                "op": "update_priorities", "buffer": buffer, "segment": segment, "n": n,
+                "indices": _write_vector(mm, 0, indices, protocol.INDEX_DTYPE),
+                "priorities": _write_vector(mm, start, priorities, protocol.PRIORITY_DTYPE),
+            })
+        return reply["updated"]
+
+    def set_beta(self, buffer: str, beta: float, timeout: float) -> None:
+        with self._lock:
+            self._set_timeout(timeout)
+            self._request({"op": "set_beta", "buffer": buffer, "beta": beta})
 
     def _push_segment_for(self, size: int) -> tuple[int, mmap.mmap]:
         if self._push_segment is not None and len(self._push_segment[1]) >= size:
@@ -146,26 +179,37 @@ class ShmSession:
 
     # ---- sample ---------------------------------------------------------------------
 
-    def sample(self, buffer: str, schema: Schema, batch_size: int,
-               seed: int | None, timeout: float) -> dict[str, np.ndarray]:
-        """Sample into a free result segment; return arrays viewing it (no copy)."""
-        spans, total = protocol.layout(schema, batch_size)
+    def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
+               timeout: float, prioritized: bool = False) -> dict[str, np.ndarray]:
+        """Sample into a free result segment; return arrays viewing it (no copy).
+
+        ``prioritized``: leave room for the extra keys (``weights``,
+        ``indices``) after the columns; they are returned if the server wrote them.
+        """
+        _, _, size = protocol.sample_layout(schema, batch_size, prioritized)
         with self._lock:
             self._set_timeout(timeout)
-            segment = self._free_result_segment(total)
+            segment = self._free_result_segment(size)
             try:
-                self._request({"op": "sample", "buffer": buffer, "segment": segment.id,
-                               "offset": 0, "batch_size": batch_size, "seed": seed})
+                reply, _ = self._request({"op": "sample", "buffer": buffer, "segment": segment.id,
+                                          "offset": 0, "batch_size": batch_size, "seed": seed})
             except BaseException:
                 segment.free = True
                 raise
+        # Laid out as the server did it (it checked that this fits the segment).
+        written = reply.get("extras") or []
+        spans, extra_spans, total = protocol.sample_layout(schema, batch_size, bool(written))
         base = np.frombuffer(segment.mm, np.uint8, total)
         weakref.finalize(base, _mark_free, segment)
-        return {
+        result = {
             f.name: base[spans[f.name][0] : spans[f.name][0] + spans[f.name][1]]
             .view(f.dtype).reshape((batch_size, *f.shape))
             for f in schema
         }
+        for name in written:
+            start, nbytes = extra_spans[name]
+            result[name] = base[start : start + nbytes].view(protocol.SAMPLE_EXTRAS[name])
+        return result
 
     def _free_result_segment(self, size: int) -> _ResultSegment:
         fitting = [s for s in self._results if s.free and len(s.mm) >= size]
@@ -214,6 +258,12 @@ class ShmSession:
 
 class ResultPoolExhausted(Exception):
     """Too many live sample results to give another one its own segment."""
+
+
+def _write_vector(mm: mmap.mmap, offset: int, values: np.ndarray, dtype: np.dtype) -> list:
+    """Copy ``values`` into ``mm`` at ``offset``; return its ``[offset, dtype, [n]]`` entry."""
+    np.copyto(np.frombuffer(mm, dtype, len(values), offset), values, casting="no")
+    return [offset, dtype.str, [len(values)]]
 
 
 def _mark_free(segment: _ResultSegment) -> None:
