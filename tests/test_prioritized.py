@@ -159,3 +159,111 @@ def test_a_prioritized_buffer_stays_prioritized_across_restarts(tmp_path):
         assert {"weights", "indices"} <= batch.keys()
         # priorities are not persisted yet: every record is back at priority 1
         np.testing.assert_allclose(batch["weights"], 1.0)
+
+
+# ---- over the shared-memory fast path ------------------------------------------------
+
+
+def three_ways(tmp_path, address, name, alpha=0.6, beta=0.4, hot=5, total=20):
+    """The same prioritized buffer in-process, on the server over shm, and over gRPC."""
+    shm_client = millpond.connect(address, shm=True)
+    grpc_client = millpond.connect(address, shm=False)
+    config = dict(hot_capacity=hot, total_capacity=total, obs_dim=2, act_dim=1,
+                  prioritized=True, alpha=alpha, beta=beta)
+    return (tiered(tmp_path, alpha, beta, hot, total),
+            shm_client.create_buffer(f"{name}-shm", **config),
+            grpc_client.create_buffer(f"{name}-grpc", **config), shm_client)
+
+
+def assert_same_batches(bufs, batch: int, seeds) -> None:
+    for seed in seeds:
+        first, *others = [buf.sample(batch, seed=seed) for buf in bufs]
+        assert {"weights", "indices"} <= first.keys()
+        for other in others:
+            assert other.keys() == first.keys()
+            for key in first:
+                assert other[key].dtype == first[key].dtype, key
+                np.testing.assert_array_equal(other[key], first[key], err_msg=key)
+
+
+def test_prioritized_over_shm_equals_grpc_and_in_process(shared_server, tmp_path):
+    local, shm, grpc, shm_client = three_ways(tmp_path, shared_server.address, "prio-3way")
+    assert shm_client.transport == "shm"
+    session = shm_client.connection.session
+    before = session.served.copy()
+    rng = np.random.default_rng(7)
+    for buf in (local, shm, grpc):
+        push_ids(buf, 0, 25, np.linspace(0.5, 5.0, 25))  # 5 evicted, 15 cold, 5 hot
+        push_ids(buf, 25, 3)  # default priority: the largest seen
+        buf.push([99, 99], [0.0], 99.0, False, False, [99, 99], priority=7.0)
+    assert_same_batches((local, shm, grpc), 16, range(6))
+    for step in range(4):  # a learner's loop: sample, update, anneal
+        batches = [buf.sample(16, seed=100 + step) for buf in (local, shm, grpc)]
+        new = rng.random(16) * 4
+        counts = [buf.update_priorities(b["indices"], new) for buf, b in zip((local, shm, grpc), batches)]
+        assert counts[0] == counts[1] == counts[2] == 16
+        for buf in (local, shm, grpc):
+            buf.set_beta(0.4 + 0.2 * step)
+    assert_same_batches((local, shm, grpc), 20, range(10, 16))
+    served = session.served - before  # the shm client really used the fast path
+    assert served["push"] >= 3 and served["update_priorities"] == 4 and served["set_beta"] == 4
+    assert served["sample"] == 6 + 4 + 6
+
+
+def test_shm_weights_and_indices_are_views_like_the_columns(shared_server, tmp_path):
+    _, shm, _, _ = three_ways(tmp_path, shared_server.address, "prio-views")
+    push_ids(shm, 0, 20, np.arange(1, 21, dtype=float))
+    kept = shm.sample(16, seed=1)
+    snapshot = {k: v.copy() for k, v in kept.items()}
+    base = kept["obs"].base  # one shared-memory block for the whole result: no copy
+    assert not kept["weights"].flags.owndata and kept["weights"].base is base
+    assert kept["indices"].base is base and kept["weights"].flags.writeable
+    for _ in range(40):  # later samples and updates never change what the caller kept...
+        batch = shm.sample(16)
+        shm.update_priorities(batch["indices"], np.full(16, 2.0))
+    for key in kept:
+        np.testing.assert_array_equal(kept[key], snapshot[key])
+    kept["weights"][:] = -1  # ...and private writes never reach the server
+    assert (shm.sample(16, seed=1)["weights"] != -1).all()
+
+
+def test_stale_updates_over_shm_are_ignored_like_in_process(shared_server, tmp_path):
+    local, shm, grpc, _ = three_ways(tmp_path, shared_server.address, "prio-stale", alpha=1.0,
+                                     beta=1.0, hot=2, total=4)
+    for buf in (local, shm, grpc):
+        push_ids(buf, 0, 4, [1.0, 1.0, 1.0, 1.0])
+        push_ids(buf, 4, 2, [1.0, 1.0])  # records 0 and 1 are gone; 4 and 5 took their slots
+        assert buf.update_priorities([0, 1, 2, 3], [100.0, 100.0, 1.0, 1.0]) == 2
+        assert buf.update_priorities([], []) == 0
+    assert_same_batches((local, shm, grpc), 4, range(20))
+    assert (local.sample(4, seed=0)["weights"] == 1.0).all()  # the stale 100s landed nowhere
+
+
+def test_prioritized_errors_over_shm_are_the_grpc_ones(shared_server, tmp_path):
+    _, shm, grpc, _ = three_ways(tmp_path, shared_server.address, "prio-errors")
+    uniforms = [millpond.connect(shared_server.address, shm=use_shm).create_buffer(
+        "prio-errors-uniform", capacity=10, obs_dim=2, act_dim=1) for use_shm in (True, False)]
+    assert uniforms[0]._backend._client.transport == "shm"
+    for buf in (shm, grpc):
+        push_ids(buf, 0, 3)
+        with pytest.raises(millpond.InvalidConfigError, match="beta"):
+            buf.set_beta(-1.0)
+        with pytest.raises(millpond.InvalidConfigError, match="beta"):
+            buf.set_beta(float("nan"))
+        with pytest.raises(millpond.NotEnoughDataError):
+            buf.sample(4)
+    for uniform in uniforms:
+        backend = uniform._backend
+        with pytest.raises(millpond.InvalidArgumentError, match="prioritized"):
+            backend.push_batch(zero_columns(uniform.schema, 2), priorities=[1.0, 2.0])
+        with pytest.raises(millpond.InvalidArgumentError, match="prioritized"):
+            backend.update_priorities([0], [1.0])
+        with pytest.raises(millpond.InvalidArgumentError, match="prioritized"):
+            backend.set_beta(0.5)
+        backend.push_batch(zero_columns(uniform.schema, 2))
+        assert uniform.sample(2, seed=0).keys() == set(uniform.schema.names)  # no extras
+    assert len(uniforms[0]) == 4
+
+
+def zero_columns(schema, n: int) -> dict:
+    return {f.name: np.zeros((n, *f.shape), f.dtype) for f in schema}

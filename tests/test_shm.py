@@ -303,3 +303,85 @@ def test_segment_larger_than_memory_is_a_clear_error_not_the_oom_killer():
     too_big = (memfd.available_memory() or 1 << 40) * 2
     with pytest.raises(millpond.SharedMemoryError, match="available"):
         memfd.create_segment(too_big, "too-big")
+
+
+def test_hostile_priority_requests_get_typed_errors_and_change_nothing(shared_server, raw):
+    client = millpond.connect(shared_server.address)
+    prio = client.create_buffer("prio-victim", capacity=100, obs_dim=2, act_dim=1,
+                                prioritized=True, alpha=0.6, beta=0.4)
+    uniform = client.create_buffer("prio-victim-uniform", capacity=500, obs_dim=2, act_dim=1)
+    prio.push_batch(**transitions(0, 10), priorities=np.linspace(1, 2, 10))
+    uniform.push_batch(**transitions(0, 200))
+    before = {k: v.copy() for k, v in prio.sample(8, seed=5).items()}
+    server_fds = len([t for t in fd_targets(shared_server.proc.pid) if not t.startswith("/memfd:")])
+
+    sealed = sealed_segment(4096)
+    mm = memfd.map_segment(sealed, 4096, writable=True)
+    seg = raw({"op": "push_segment", "size": 4096}, (sealed,))["segment"]
+    schema = prio.schema
+    spans, total = protocol.layout(schema, 4)
+    columns = [[f.name, spans[f.name][0], f.dtype.str, [4, *f.shape]] for f in schema]
+    good = [total, "<f8", [4]]
+    vector = np.frombuffer(mm, np.float64, 4, total)
+    vector[:] = [1.0, 2.0, 3.0, 4.0]
+
+    def push(priorities, buffer="prio-victim"):
+        return raw({"op": "push", "buffer": buffer, "segment": seg, "n": 4, "columns": columns,
+                    "priorities": priorities})
+
+    def update(indices=(0, "<i8", [4]), priorities=(32, "<f8", [4]), n=4, **extra):
+        return raw({"op": "update_priorities", "buffer": "prio-victim", "segment": seg, "n": n,
+                    "indices": list(indices), "priorities": list(priorities), **extra})
+
+    def refused(reply, code="INVALID_ARGUMENT", match=""):
+        assert reply["ok"] is False and reply["code"] == code and match in reply["message"], reply
+
+    for lie in ([4090, "<f8", [4]], [-8, "<f8", [4]], [total + 3, "<f8", [4]], [True, "<f8", [4]],
+                [total, "<f4", [4]], [total, "<f8", [5]], [total, "<f8", [3]], [total, "<f8", 4],
+                [total, "<f8"], "everything", None):
+        refused(push(lie))
+    refused(push(good, buffer="prio-victim-uniform"), match="prioritized")  # as over gRPC
+    for bad in (np.nan, -1.0, np.inf):  # checked by the engine, after copying out of the segment
+        vector[2] = bad
+        refused(push(good), match="priorities")
+        vector[:] = [1.0, 2.0, 3.0, 4.0]
+        np.frombuffer(mm, np.float64, 4, 32)[:] = [1.0, 1.0, bad, 1.0]
+        refused(update(), match="priorities")
+    for lie in (dict(indices=(4090, "<i8", [4])), dict(indices=(-8, "<i8", [4])),
+                dict(indices=(4, "<i8", [4])), dict(indices=(0, "<f8", [4])),
+                dict(priorities=(32, "<f8", [3])), dict(priorities=(4095, "<f8", [4])),
+                dict(n=-1), dict(n=True), dict(n=10**9), dict(segment=999),
+                dict(buffer="prio-victim-uniform"), dict(buffer="no-such-buffer")):
+        reply = update(**lie)
+        assert reply["ok"] is False, (lie, reply)
+    refused(update(buffer="prio-victim-uniform"), match="prioritized")
+    for beta in ("0.5", None, True, [0.5], -1.0, float("nan"), float("inf"), 1):
+        refused(raw({"op": "set_beta", "buffer": "prio-victim", "beta": beta}), "INVALID_CONFIG")
+    refused(raw({"op": "set_beta", "buffer": "prio-victim-uniform", "beta": 0.5}), match="prioritized")
+
+    # A result segment that holds a uniform sample but not a prioritized one's extras.
+    reply = raw({"op": "result_segment", "size": 4096})
+    result = reply["segment"]
+    batch = max(n for n in range(1, 200) if protocol.sample_layout(schema, n, False)[2] <= 4096)
+    assert protocol.sample_layout(schema, batch, True)[2] > 4096
+    sample = {"op": "sample", "segment": result, "offset": 0, "batch_size": batch, "seed": 0}
+    refused(raw({**sample, "buffer": "prio-victim"}), match="does not fit")
+    assert raw({**sample, "buffer": "prio-victim-uniform"}) == {"ok": True, "extras": []}
+
+    # Nothing changed, stale or foreign indices are ignored, and the session still serves.
+    assert len(prio) == 10
+    for key, value in prio.sample(8, seed=5).items():
+        np.testing.assert_array_equal(value, before[key])
+    np.frombuffer(mm, np.int64, 4, 0)[:] = [-1, 10**12, 3, 3]
+    np.frombuffer(mm, np.float64, 4, 32)[:] = 2.0
+    assert update() == {"ok": True, "updated": 2}
+    assert push(good) == {"ok": True, "size": 14, "pushed": 14}
+    assert raw({"op": "set_beta", "buffer": "prio-victim", "beta": 1.0}) == {"ok": True}
+    reply = raw({**sample, "batch_size": 4, "buffer": "prio-victim"})
+    assert reply == {"ok": True, "extras": ["weights", "indices"]}
+    assert len(prio) == 14 and prio.sample(4, seed=0)["weights"].max() == 1.0
+    del vector
+    mm.close()
+    os.close(sealed)
+    held = fd_targets(shared_server.proc.pid)
+    assert len([t for t in held if not t.startswith("/memfd:")]) <= server_fds
