@@ -256,6 +256,31 @@ def shared_memory_section(results: dict, server: ServerProcess, seconds: float) 
           f"(target >= 100,000)")
 
 
+def prioritized_shm_rows(server: ServerProcess, quick: bool, seconds: float) -> None:
+    """Prioritized sample(256) over shared memory beside uniform (the throughput table's buffers)."""
+    shm_client = millpond.connect(server.address, shm=True)
+    grpc_client = millpond.connect(server.address, shm=False)
+    print("\nPrioritized replay over shared memory, beside uniform over shared memory")
+    for w in workloads(quick):
+        uniform = shm_client.buffer(f"bench-{w.name}")  # filled by throughput_table
+        prio = shm_client.create_buffer(f"bench-prio-{w.name}", hot_capacity=w.hot,
+                                        total_capacity=w.total, fields=w.schema, prioritized=True)
+        batch = w.batch(w.push_batch, np.random.default_rng(3))
+        for i in range(w.total // w.push_batch):
+            prio.push_batch(**batch, priorities=np.random.default_rng(i).random(w.push_batch))
+        base = timed_rate(lambda: uniform.sample(SAMPLE_BATCH), SAMPLE_BATCH, seconds)
+        rate = timed_rate(lambda: prio.sample(SAMPLE_BATCH), SAMPLE_BATCH, seconds)
+        seqs = prio.sample(SAMPLE_BATCH)["indices"]
+        new = np.random.default_rng(5).random(SAMPLE_BATCH)
+        over_grpc = grpc_client.buffer(f"bench-prio-{w.name}")
+        shm_p50 = latency_p50(lambda: prio.update_priorities(seqs, new), seconds) * 1e6
+        grpc_p50 = latency_p50(lambda: over_grpc.update_priorities(seqs, new), seconds) * 1e6
+        print(f"  {w.name:9} sample(256) {rate:12,.0f} rec/s vs uniform shm {base:12,.0f} = "
+              f"{rate / base:.2f}x; update_priorities(256) p50 {shm_p50:.0f} us "
+              f"(gRPC {grpc_p50:.0f} us)")
+        prio.close()
+
+
 def push_per_step_rate(server: ServerProcess, seconds: float) -> float:
     """An actor's loop: one ``push`` per environment step, batched by the client."""
     buf = millpond.connect(server.address, shm=True).create_buffer(
@@ -318,6 +343,7 @@ def main() -> None:
     with ServerProcess(tmp / "data") as server:
         results = throughput_table(server, tmp, args.quick, seconds)
         shared_memory_section(results, server, seconds)
+        prioritized_shm_rows(server, args.quick, seconds)
         floor = call_floor(server.address, seconds)
         print(f"\ngRPC floor: an empty call (health check) takes {1e6 / floor:,.0f} us round trip "
               f"here, so one caller can make at most {floor:,.0f} calls/s "
