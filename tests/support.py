@@ -87,3 +87,11 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01):
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met before the deadline")
         time.sleep(interval)
+
+
+def without_stats(info: dict) -> dict:
+    """``info()`` less its call statistics (inserts, samples, waits), which every
+    sample changes: what a rejected request must leave exactly as it was."""
+    from millpond.core.ratelimit import RateState
+
+    return {k: v for k, v in info.items() if k not in RateState(None).stats()}

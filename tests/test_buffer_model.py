@@ -38,9 +38,7 @@ from hypothesis.stateful import (
 
 import millpond
 from millpond.core import Schema, TieredBuffer
-from millpond.core.ratelimit import RateState
-
-RATE_STATS = set(RateState(None).stats())
+from support import without_stats
 
 FIELDS = {
     "id": ("float64", ()),
@@ -155,8 +153,7 @@ class BufferMachine(RuleBasedStateMachine):
     def snapshot(self):
         """len, info (but its statistics, which restart at reopen) and a full
         enumeration of the stored records (internals)."""
-        info = {k: v for k, v in self.buf.info().items() if k not in RATE_STATS}
-        return len(self.buf), info, self.enumerate_internals()
+        return len(self.buf), without_stats(self.buf.info()), self.enumerate_internals()
 
     def enumerate_internals(self) -> dict[int, tuple]:
         """For each live seq (by the model), the tier, slot, stored seq and row found there.

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .core import Schema, TieredBuffer
+from .core.ratelimit import RateLimiter
 from .core.prioritized import PrioritizedTieredBuffer
 from .errors import ConfigMismatchError, FieldMismatchError, InvalidConfigError
 from .sampler import Sampler
@@ -59,32 +60,40 @@ class Buffer:
     def is_empty(self) -> bool:
         return len(self) == 0
 
-    def push(self, *args: Any, **kwargs: Any) -> None:
+    def push(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> None:
         """Append one record.
 
         Transition buffers: ``push(obs, action, reward, terminated, truncated,
-        next_obs)``; schema buffers: ``push(**{field: value})``.
+        next_obs)``; schema buffers: ``push(**{field: value})``. ``timeout``:
+        see :meth:`push_batch`.
         """
-        self._backend.push(self._bind(_PUSH_ORDER, args, kwargs))
+        self._backend.push(self._bind(_PUSH_ORDER, args, kwargs), timeout=timeout)
 
-    def push_batch(self, *args: Any, **kwargs: Any) -> None:
+    def push_batch(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> None:
         """Append many records at once, validated as a whole before storing.
 
         Transition buffers: ``push_batch(obs, next_obs, actions, rewards,
         terminated, truncated)`` with ``[n, dim]`` or flat ``[n*dim]`` arrays;
         ``terminated``/``truncated`` may be bool or float (non-zero is true).
         Schema buffers: ``push_batch(**{field: array[n, *shape]})``.
+        With a rate limiter the push waits up to ``timeout`` seconds while it
+        would break it (in-process None waits without limit; remote None is the
+        client's call timeout), then raises RateLimitTimeoutError.
         """
-        self._backend.push_batch(self._bind(_PUSH_BATCH_ORDER, args, kwargs))
+        self._backend.push_batch(self._bind(_PUSH_BATCH_ORDER, args, kwargs), timeout=timeout)
 
-    def sample(self, batch_size: int, seed: int | None = None) -> dict[str, np.ndarray]:
-        """Draw ``batch_size`` records uniformly from hot + cold storage.
+    def sample(self, batch_size: int, seed: int | None = None, *,
+               timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Draw ``batch_size`` records from hot + cold storage.
 
         Returns ``{field: array[batch_size, *shape]}`` (for transitions: ``obs``,
         ``next_obs``, ``actions``, ``rewards``, ``terminated``, ``truncated``).
-        Deterministic for the same contents and ``seed``.
+        Uniform and deterministic for the same contents and ``seed`` in
+        replay mode; the oldest (queue) or newest (stack) records, removed,
+        otherwise. With a rate limiter it waits up to ``timeout`` seconds
+        (see :meth:`push_batch`), then raises RateLimitTimeoutError.
         """
-        return self._backend.sample(batch_size, seed)
+        return self._backend.sample(batch_size, seed, timeout=timeout)
 
     def flush(self) -> None:
         """Return once every record pushed before this call is stored.
@@ -174,6 +183,19 @@ class ReplayBuffer(Buffer):
     ``ReplayBuffer(capacity, obs_dim, act_dim)`` stores reference transitions;
     ``ReplayBuffer(capacity, fields={name: (dtype, shape)})`` any schema. With
     ``address=`` and ``name=``, the buffer lives on a millpond server.
+
+    How it is sampled (all buffer classes take these):
+
+    * ``mode="replay"`` (default): uniform draws with replacement; records
+      stay until evicted, or until drawn ``max_times_sampled`` times.
+    * ``mode="queue"`` / ``"stack"``: ``sample(k)`` returns and removes the
+      ``k`` oldest (FIFO) / newest (LIFO, newest first) records; pushes wait
+      while the buffer is full, samples while it holds fewer than ``k``.
+    * ``rate_limiter=millpond.MinSize(n)`` or
+      ``millpond.SampleToInsertRatio(samples_per_insert, min_size_to_sample,
+      error_buffer)``: pushes and samples wait (up to their ``timeout``)
+      while they would break it. ``info()`` reports inserts, samples, waits,
+      time waited and the current samples per insert.
     """
 
     def __init__(
@@ -185,12 +207,16 @@ class ReplayBuffer(Buffer):
         fields: Mapping[str, Any] | None = None,
         address: str | None = None,
         name: str | None = None,
+        mode: str = "replay",
+        max_times_sampled: int | None = None,
+        rate_limiter: RateLimiter | None = None,
     ):
         schema = Schema.resolve(obs_dim, act_dim, fields)
+        sampling = dict(mode=mode, max_times_sampled=max_times_sampled, rate_limiter=rate_limiter)
         if address is not None:
-            backend = _remote(address, name, capacity=capacity, fields=schema)
+            backend = _remote(address, name, capacity=capacity, fields=schema, **sampling)
         else:
-            backend = TieredBuffer(schema, capacity, capacity)
+            backend = TieredBuffer(schema, capacity, capacity, **sampling)
         super().__init__(backend)
 
 
@@ -215,16 +241,20 @@ class MmapReplayBuffer(Buffer):
         address: str | None = None,
         name: str | None = None,
         persistent: bool = False,
+        mode: str = "replay",
+        max_times_sampled: int | None = None,
+        rate_limiter: RateLimiter | None = None,
     ):
         schema = Schema.resolve(obs_dim, act_dim, fields)
+        sampling = dict(mode=mode, max_times_sampled=max_times_sampled, rate_limiter=rate_limiter)
         if address is not None:  # server buffers are always persistent
             backend = _remote(
                 address, name, hot_capacity=hot_capacity,
-                total_capacity=total_capacity, fields=schema,
+                total_capacity=total_capacity, fields=schema, **sampling,
             )
         else:
             backend = TieredBuffer(schema, hot_capacity, total_capacity, cold_path,
-                                   persistent=persistent)
+                                   persistent=persistent, **sampling)
         super().__init__(backend)
 
     @classmethod
@@ -263,13 +293,16 @@ class MmapReplayBuffer(Buffer):
 class PrioritizedHandle(Buffer):
     """A prioritized buffer handle: ``push(..., priority=)``, ``update_priorities``, ``set_beta``."""
 
-    def push(self, *args: Any, priority: float | None = None, **kwargs: Any) -> None:
+    def push(self, *args: Any, priority: float | None = None, timeout: float | None = None,
+             **kwargs: Any) -> None:
         """``push(obs, action, reward, terminated, truncated, next_obs, priority=None)``."""
-        self._backend.push(self._bind(_PUSH_ORDER, args, kwargs), priority)
+        self._backend.push(self._bind(_PUSH_ORDER, args, kwargs), priority, timeout=timeout)
 
-    def push_batch(self, *args: Any, priorities: Any = None, **kwargs: Any) -> None:
+    def push_batch(self, *args: Any, priorities: Any = None, timeout: float | None = None,
+                   **kwargs: Any) -> None:
         """Like :meth:`Buffer.push_batch`, with one priority per record (optional)."""
-        self._backend.push_batch(self._bind(_PUSH_BATCH_ORDER, args, kwargs), priorities)
+        self._backend.push_batch(self._bind(_PUSH_BATCH_ORDER, args, kwargs), priorities,
+                                 timeout=timeout)
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """New priorities for sampled ``indices``; returns how many were still live."""
@@ -289,7 +322,8 @@ class PrioritizedReplayBuffer(PrioritizedHandle):
     priorities. ``push(..., priority=p)`` (default: the largest priority seen
     so far); ``sample`` adds ``weights`` and ``indices``;
     ``update_priorities(indices, priorities)`` ignores records evicted since
-    they were sampled; ``set_beta(b)`` anneals the importance weights. With
+    they were sampled; ``set_beta(b)`` anneals the importance weights.
+    ``max_times_sampled`` and ``rate_limiter`` work as for :class:`ReplayBuffer`. With
     ``address=`` and ``name=`` the buffer lives on a millpond server.
     """
 
@@ -307,8 +341,11 @@ class PrioritizedReplayBuffer(PrioritizedHandle):
         fields: Mapping[str, Any] | None = None,
         address: str | None = None,
         name: str | None = None,
+        max_times_sampled: int | None = None,
+        rate_limiter: RateLimiter | None = None,
     ):
         schema = Schema.resolve(obs_dim, act_dim, fields)
+        sampling = dict(max_times_sampled=max_times_sampled, rate_limiter=rate_limiter)
         if capacity is not None:
             if hot_capacity is not None or total_capacity is not None:
                 raise InvalidConfigError("give capacity= or hot_capacity=/total_capacity=, not both")
@@ -316,8 +353,8 @@ class PrioritizedReplayBuffer(PrioritizedHandle):
         if address is not None:
             backend = _remote(address, name, hot_capacity=hot_capacity,
                               total_capacity=total_capacity, fields=schema,
-                              prioritized=True, alpha=alpha, beta=beta)
+                              prioritized=True, alpha=alpha, beta=beta, **sampling)
         else:
             backend = PrioritizedTieredBuffer(schema, hot_capacity, total_capacity, cold_path,
-                                              alpha=alpha, beta=beta)
+                                              alpha=alpha, beta=beta, **sampling)
         super().__init__(backend)

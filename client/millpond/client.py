@@ -23,7 +23,8 @@ from typing import Any, Mapping
 import grpc
 
 from .api import Buffer, PrioritizedHandle
-from .core.buffer import check_capacities
+from .core.buffer import check_capacities, check_sampling
+from .core.ratelimit import RateLimiter
 from .core.schema import Schema
 from .errors import InvalidConfigError, SharedMemoryError
 from .malloc import tune_malloc_for_large_messages
@@ -149,6 +150,9 @@ class Client:
         prioritized: bool = False,
         alpha: float = 0.6,
         beta: float = 0.4,
+        mode: str = "replay",
+        max_times_sampled: int | None = None,
+        rate_limiter: RateLimiter | None = None,
     ) -> Buffer:
         """Create the buffer ``name``, or attach to it if it exists with this config.
 
@@ -157,11 +161,15 @@ class Client:
         ``MmapReplayBuffer``), and ``obs_dim``/``act_dim`` or ``fields``.
         ``prioritized=True`` makes a proportional prioritized buffer with
         ``alpha`` and ``beta`` (see :class:`millpond.PrioritizedReplayBuffer`).
-        An existing buffer with another config raises ConfigMismatchError.
+        ``mode``, ``max_times_sampled`` and ``rate_limiter``: see
+        :class:`millpond.ReplayBuffer`. An existing buffer with another config
+        raises ConfigMismatchError.
         """
         schema = Schema.resolve(obs_dim, act_dim, fields)
         hot, total = check_capacities(*_capacities(capacity, hot_capacity, total_capacity))
-        config = encode_config(schema, hot, total, (alpha, beta) if prioritized else None)
+        sampling = check_sampling(mode, max_times_sampled, rate_limiter, total)
+        config = encode_config(schema, hot, total, (alpha, beta) if prioritized else None,
+                               sampling)
         request = pb.CreateRequest(name=name, config=config)
         reply = self.stub.Create(request, timeout=self.timeout)
         return self._handle(reply)

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 
 from .batching import PushBatcher
-from .core.buffer import check_batch_size, check_seed
+from .core.buffer import check_batch_size, check_seed, check_timeout
 from .core.prioritized import check_priorities
 from .core.schema import Schema
 from .errors import (
@@ -34,6 +34,7 @@ from .wire.frames import (
     decode_batch_field,
     encode_with_batch,
 )
+from .wire.codec import decode_sampling
 from .wire.status import error_from_rpc
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ def translate_rpc_errors(fn: Callable[..., T]) -> Callable[..., T]:
 
 def info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
     """A BufferInfo message as the dict ``TieredBuffer.info()`` returns."""
+    mode, max_times_sampled, limiter = decode_sampling(info.config)
     return {
         "name": info.name,
         "size": info.size,
@@ -73,7 +75,15 @@ def info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
         "record_nbytes": info.record_nbytes,
         "cold_path": info.cold_path or None,
         "fields": {f.name: (f.dtype, tuple(f.shape)) for f in info.config.fields},
+        "mode": mode,
+        "max_times_sampled": max_times_sampled or 0,
+        "rate_limiter": limiter and limiter.to_dict(),
+        **{key: getattr(info, key) for key in _STATS},
     }
+
+
+_STATS = ("inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds",
+          "sample_wait_seconds", "samples_per_insert", "waiting_inserts", "waiting_samples")
 
 
 class RemoteBuffer:
@@ -118,19 +128,20 @@ class RemoteBuffer:
         reply = self._client.stub.Info(pb.InfoRequest(name=self.name), timeout=self._client.timeout)
         return info_to_dict(reply)
 
-    def push(self, record: Mapping[str, Any], priority: float | None = None) -> None:
+    def push(self, record: Mapping[str, Any], priority: float | None = None, *,
+             timeout: float | None = None) -> None:
         """Queue one record for the next batch (validated now); see the class docstring.
 
-        A record with an explicit ``priority`` (prioritized buffers) is sent at
-        once, after what is queued.
+        A record with an explicit ``priority`` (prioritized buffers) or
+        ``timeout`` (rate-limited buffers) is sent at once, after what is queued.
         """
         self._check_open()
         limit = self._client.push_batch_size
-        if priority is not None or limit <= 1:  # sent now, after what is queued
+        if priority is not None or timeout is not None or limit <= 1:  # sent now
             prios = None if priority is None else check_priorities([priority], 1)
             batch = self.schema.coerce_record(record)
             self.flush()
-            self._store(1, batch, prios)
+            self._store(1, batch, prios, timeout)
             return
         if self._batcher is None:
             fits = max(1, (self._client.max_message_bytes - _FRAMING_BYTES) // self.schema.record_nbytes)
@@ -143,18 +154,22 @@ class RemoteBuffer:
         if self._batcher is not None:
             self._batcher.flush()
 
-    def push_batch(self, columns: Mapping[str, Any], priorities: Any = None) -> int:
+    def push_batch(self, columns: Mapping[str, Any], priorities: Any = None, *,
+                   timeout: float | None = None) -> int:
         """Store a batch (validated locally first, after queued pushes); returns its length.
 
         ``priorities``: one per record, for prioritized buffers. Over gRPC a
         batch larger than the message limit is refused before sending
         (:class:`MessageTooLargeError`); split it, nothing was stored.
+        ``timeout``: the call's deadline in seconds (default: the client's),
+        which bounds any wait for the buffer's rate limiter.
         """
         self._check_open()
+        timeout = check_timeout(timeout)
         n, batch = self.schema.coerce_batch(columns)
         prios = None if priorities is None else check_priorities(priorities, n)
         self.flush()
-        self._store(n, batch, prios)
+        self._store(n, batch, prios, timeout)
         return n
 
     @translate_rpc_errors
@@ -191,40 +206,48 @@ class RemoteBuffer:
         self._store(len(next(iter(columns.values()))), columns)
 
     @translate_rpc_errors
-    def _store(self, n: int, batch: dict[str, np.ndarray], priorities: np.ndarray | None = None) -> None:
+    def _store(self, n: int, batch: dict[str, np.ndarray], priorities: np.ndarray | None = None,
+               timeout: float | None = None) -> None:
         """Send validated columns (and priorities): through shared memory if we can, else gRPC."""
+        timeout = self._client.timeout if timeout is None else timeout
         connection = self._client.connection
         session = connection.fast_path()
         if session is not None:
             # No priorities and an empty list are the same push, as on the gRPC wire.
             prios = priorities if priorities is not None and len(priorities) else None
             try:
-                session.push_batch(self.name, self.schema, n, batch, self._client.timeout, prios)
+                session.push_batch(self.name, self.schema, n, batch, timeout, prios)
                 return
             except SharedMemoryError as exc:
                 log.warning("shared memory refused a push (%s); sending it over gRPC", exc)
         self._check_message_size(n, "push_batch of")
         request = encode_with_batch(PUSH_BATCH_FIELD, batch, self.name, priorities)
-        connection.push_batch(request, timeout=self._client.timeout)
+        connection.push_batch(request, timeout=timeout)
 
     @translate_rpc_errors
-    def sample(self, batch_size: int, seed: int | None = None) -> dict[str, np.ndarray]:
-        """Sample on the server; returns writable arrays like the in-process buffer."""
+    def sample(self, batch_size: int, seed: int | None = None, *,
+               timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Sample on the server; returns writable arrays like the in-process buffer.
+
+        ``timeout``: as for :meth:`push_batch`.
+        """
         self._check_open()
         batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+        timeout = check_timeout(timeout)
+        timeout = self._client.timeout if timeout is None else timeout
         self.flush()
         connection = self._client.connection
         session = connection.fast_path()
         if session is not None:
             try:
-                return session.sample(self.name, self.schema, batch_size, seed,
-                                      self._client.timeout, self.prioritized)
+                return session.sample(self.name, self.schema, batch_size, seed, timeout,
+                                      self.prioritized)
             except (SharedMemoryError, ResultPoolExhausted) as exc:
                 log.info("sampling over gRPC this time: %s", exc)
         request = pb.SampleRequest(name=self.name, batch_size=batch_size)
         if seed is not None:
             request.seed = seed
-        reply = connection.sample(request, timeout=self._client.timeout)
+        reply = connection.sample(request, timeout=timeout)
         # The decoded arrays view the immutable reply bytes; copy once so the
         # caller may modify them in place, as with in-process results.
         columns = decode_batch_field(reply, SAMPLE_BATCH_FIELD)

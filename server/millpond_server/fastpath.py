@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import select
 import socket
 import struct
 import threading
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from millpond.core.buffer import check_batch_size, check_seed
+from millpond.core.buffer import abandon_waits_when, check_batch_size, check_seed, check_timeout
 from millpond.core.prioritized import PrioritizedTieredBuffer
 from millpond.errors import (
     InternalError,
@@ -160,7 +161,8 @@ class Session(threading.Thread):
                     continue
                 if message is None:
                     return
-                reply, out_fds = self.handle(message, fds)
+                with abandon_waits_when(self.peer_gone):  # a rate-limited call may wait
+                    reply, out_fds = self.handle(message, fds)
                 try:
                     protocol.send(self.conn, reply, out_fds)
                 finally:
@@ -186,6 +188,12 @@ class Session(threading.Thread):
             return protocol.error_reply(InternalError(f"{type(exc).__name__}: {exc}")), []
         finally:
             protocol.close_fds(fds)
+
+    def peer_gone(self) -> bool:
+        """Whether the client hung up (it sends nothing while its call waits)."""
+        poller = select.poll()
+        poller.register(self.conn, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return bool(poller.poll(0))
 
     def hello(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         self._no_fds(fds)
@@ -266,9 +274,9 @@ class Session(threading.Thread):
             prioritized = _prioritized(buffer)
             priorities = self._vector(mm, message["priorities"], protocol.PRIORITY_DTYPE, n,
                                       "priorities")
-            prioritized.push_batch(views, priorities)
-        else:
-            buffer.push_batch(views)  # checks the field set; copies the views once
+            prioritized.push_batch(views, priorities, timeout=_wait(message))
+        else:  # checks the field set; copies the views once
+            buffer.push_batch(views, timeout=_wait(message))
         return {"ok": True, "size": len(buffer), "pushed": buffer.pushed}, []
 
     def update_priorities(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
@@ -363,7 +371,7 @@ class Session(threading.Thread):
                  for name, (start, _) in extra_spans.items()},
             )
         out, extras = views
-        result = buffer.sample(batch_size, seed, out=out)
+        result = buffer.sample(batch_size, seed, out=out, timeout=_wait(message))
         # Weights and indices are small new arrays: one copy each into the segment.
         written = [name for name in extras if name in result]
         for name in written:
@@ -404,6 +412,11 @@ class Session(threading.Thread):
             table.clear()
         self.conn.close()
         self.server._ended(self)
+
+
+def _wait(message: dict) -> float:
+    """How long the call may wait for a rate limiter: the client's ``timeout`` (0 if absent)."""
+    return check_timeout(message.get("timeout", 0))
 
 
 def _prioritized(buffer) -> PrioritizedTieredBuffer:

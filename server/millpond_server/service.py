@@ -26,12 +26,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import weakref
 from concurrent.futures import Executor
 from typing import Callable
 
 import grpc
 
 from millpond.core import Schema, TieredBuffer
+from millpond.core.ratelimit import RateState
 from millpond.errors import (
     InternalError,
     InvalidArgumentError,
@@ -110,8 +112,11 @@ def translate_errors(cls: type) -> type:
 
 # ---- wire helpers -------------------------------------------------------------------
 
-def buffer_info(name: str, buffer: TieredBuffer) -> pb.BufferInfo:
+def buffer_info(name: str, buffer: TieredBuffer, waiters: "_Waiters | None" = None
+                ) -> pb.BufferInfo:
     info = buffer.info()
+    if waiters is not None:
+        waiters.add_stats(info)
     prioritized = ((buffer.alpha, buffer.beta)
                    if isinstance(buffer, PrioritizedTieredBuffer) else None)
     return pb.BufferInfo(
@@ -125,7 +130,8 @@ def buffer_info(name: str, buffer: TieredBuffer) -> pb.BufferInfo:
 
 _INFO_NUMBERS = ("size", "pushed", "hot_size", "cold_size", "record_nbytes", "inserts",
                  "samples", "insert_waits", "sample_waits", "insert_wait_seconds",
-                 "sample_wait_seconds", "samples_per_insert")
+                 "sample_wait_seconds", "samples_per_insert", "waiting_inserts",
+                 "waiting_samples")
 
 
 def sample_reply_nbytes(schema: Schema, batch_size: int) -> int:
@@ -166,7 +172,23 @@ class _Waiters:
         self.loop = loop
         self.count = 0
         self.event = asyncio.Event()
+        # Statistics of these waits (the engine counts only its own), loop-owned.
+        self.stats = RateState(None)
         buffer.add_listener(self.changed)
+
+    def started(self, kind: str) -> None:
+        self.count += 1
+        self.stats.wait_started(kind)
+
+    def ended(self, kind: str, seconds: float) -> None:
+        self.count -= 1
+        self.stats.wait_ended(kind, seconds)
+
+    def add_stats(self, info: dict) -> None:
+        """Add these waits to a buffer's ``info()``."""
+        for key, value in self.stats.stats().items():
+            if "wait" in key:
+                info[key] += value
 
     def changed(self) -> None:
         if self.count:
@@ -198,7 +220,9 @@ class ReplayService:
         self.executor = executor
         self.max_message_mb = max_message_mb
         self.max_message_bytes = max_message_mb * 1024 * 1024
-        self._waiters: dict[int, _Waiters] = {}  # by id(buffer); set up on the first wait
+        # Per buffer, set up on its first wait; gone with the buffer.
+        self._waiters: weakref.WeakKeyDictionary[TieredBuffer, _Waiters] = \
+            weakref.WeakKeyDictionary()
 
     async def _run(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -215,12 +239,12 @@ class ReplayService:
         call's deadline (less a margin, so the caller gets our clear error)."""
         loop = asyncio.get_running_loop()
         buffer, start = wait.buffer, loop.time()
-        waiters = self._waiters.get(id(buffer))
+        waiters = self._waiters.get(buffer)
         if waiters is None:
-            waiters = self._waiters[id(buffer)] = _Waiters(loop, buffer)
+            waiters = self._waiters[buffer] = _Waiters(loop, buffer)
         remaining = context.time_remaining()
         deadline = None if remaining is None else start + remaining - min(0.05, remaining / 10)
-        waiters.count += 1
+        waiters.started(wait.kind)
         try:
             while True:
                 event = waiters.event  # before the check: a change after it sets this one
@@ -240,8 +264,7 @@ class ReplayService:
                 except TimeoutError:
                     pass
         finally:
-            waiters.count -= 1
-            buffer.note_wait(wait.kind, loop.time() - start)
+            waiters.ended(wait.kind, loop.time() - start)
 
     async def Create(self, request: pb.CreateRequest, context) -> pb.BufferInfo:
         name = check_name(request.name)
@@ -319,13 +342,15 @@ class ReplayService:
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.BufferInfo:
         buffer = self.registry.get(request.name)
-        return await self._run(buffer_info, request.name, buffer)
+        return await self._run(buffer_info, request.name, buffer,
+                               self._waiters.get(buffer))
 
     async def List(self, request: pb.ListRequest, context) -> pb.ListReply:
         return await self._run(self._list)
 
     def _list(self) -> pb.ListReply:
-        return pb.ListReply(buffers=[buffer_info(n, b) for n, b in self.registry.list()])
+        return pb.ListReply(buffers=[buffer_info(n, b, self._waiters.get(b))
+                                     for n, b in self.registry.list()])
 
     async def Negotiate(self, request: pb.NegotiateRequest, context) -> pb.NegotiateReply:
         if self.fastpath is None:

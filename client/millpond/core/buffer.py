@@ -15,6 +15,7 @@ Thread-safe: one lock per buffer guards every public method.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 import tempfile
@@ -41,6 +42,22 @@ from .sumtree import SumTree
 from .tier import Tier
 
 MODES = ("replay", "queue", "stack")
+
+# Per thread: a predicate telling a waiting call that its caller is gone.
+_waits = threading.local()
+
+
+@contextlib.contextmanager
+def abandon_waits_when(abandoned, every: float = 0.2):
+    """Within this block, on this thread, rate-limiter waits check ``abandoned()``
+    at least every ``every`` seconds and end (RateLimitTimeoutError) once it is
+    true. For servers, whose caller may vanish while its call waits."""
+    previous = getattr(_waits, "check", None)
+    _waits.check = (abandoned, every)
+    try:
+        yield
+    finally:
+        _waits.check = previous
 
 
 def check_capacities(hot_capacity: Any, total_capacity: Any) -> tuple[int, int]:
@@ -332,6 +349,9 @@ class TieredBuffer:
             return
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
+        if timeout != 0:  # a try-only call (timeout 0) is not a wait
+            self._rate.wait_started(kind)
+        abandoned, every = getattr(_waits, "check", None) or (None, None)
         try:
             while not ready():
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -339,11 +359,15 @@ class TieredBuffer:
                     raise RateLimitTimeoutError(
                         f"{kind} timed out after {timeout:g} s waiting for the rate limiter "
                         f"({self._rate.describe(self._size())})")
+                if abandoned is not None:
+                    remaining = every if remaining is None else min(remaining, every)
                 self._changed_cond.wait(remaining)
                 self._check_open()
+                if abandoned is not None and abandoned():
+                    raise RateLimitTimeoutError(f"{kind} abandoned: its caller went away")
         finally:
-            if timeout != 0:  # a try-only call (timeout 0) is not a wait
-                self._rate.waited_for(kind, time.monotonic() - start)
+            if timeout != 0:
+                self._rate.wait_ended(kind, time.monotonic() - start)
 
     def _changed(self) -> None:
         """Wake waiting pushes and samples (lock held): the state has changed."""
@@ -362,16 +386,15 @@ class TieredBuffer:
     def would_wait(self, kind: str, n: int) -> bool:
         """Whether a push (``kind="insert"``) or sample of ``n`` records would wait now.
 
-        A hint read without the lock: the call itself decides.
+        A hint read without the lock: the call itself decides (a closed buffer
+        never waits: the call raises).
         """
+        if self._closed:
+            return False
         if kind == "insert":
             return not self._rate.can_insert(n, self._size())
         return not self._sample_ready(n)
 
-    def note_wait(self, kind: str, seconds: float) -> None:
-        """Count a wait done outside the buffer (a server waiting asynchronously)."""
-        with self._lock:
-            self._rate.waited_for(kind, seconds)
 
     def _append(self, n: int, batch: Mapping[str, np.ndarray], extra: Any = None) -> None:
         """Store a validated batch (lock held).

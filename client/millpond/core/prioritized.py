@@ -53,6 +53,8 @@ class PrioritizedTieredBuffer(TieredBuffer):
 
     def __init__(self, *args: Any, alpha: float = 0.6, beta: float = 0.4, **kwargs: Any):
         alpha, beta = _check_exponent("alpha", alpha), _check_exponent("beta", beta)
+        if kwargs.get("mode", "replay") != "replay":
+            raise InvalidConfigError("a prioritized buffer samples in mode='replay' only")
         kwargs["file_meta"] = {"prioritized": {"alpha": alpha, "beta": beta}}
         super().__init__(*args, **kwargs)
         self._setup_priorities(alpha, beta)

@@ -141,8 +141,9 @@ class RateState:
         self.inserts = 0
         self.samples = 0
         self.offset = 0.0  # added to the diff: a reopened buffer restarts mid-band
-        self.waits = {"insert": 0, "sample": 0}
+        self.waits = {"insert": 0, "sample": 0}  # finished waits
         self.waited = {"insert": 0.0, "sample": 0.0}
+        self.waiting = {"insert": 0, "sample": 0}  # calls waiting now
 
     def restart(self, size: int, removes: bool) -> None:
         """After a reopen (counters are not persisted): where should the diff be?
@@ -182,7 +183,11 @@ class RateState:
                 f"{self.inserts} inserts x {lim.samples_per_insert:g} - {self.samples} samples "
                 f"= diff {self.diff():g}, allowed band [{lim.min_diff:g}, {lim.max_diff:g}]")
 
-    def waited_for(self, kind: str, seconds: float) -> None:
+    def wait_started(self, kind: str) -> None:
+        self.waiting[kind] += 1
+
+    def wait_ended(self, kind: str, seconds: float) -> None:
+        self.waiting[kind] -= 1
         self.waits[kind] += 1
         self.waited[kind] += seconds
 
@@ -194,5 +199,7 @@ class RateState:
             "sample_waits": self.waits["sample"],
             "insert_wait_seconds": self.waited["insert"],
             "sample_wait_seconds": self.waited["sample"],
+            "waiting_inserts": self.waiting["insert"],
+            "waiting_samples": self.waiting["sample"],
             "samples_per_insert": self.samples / self.inserts if self.inserts else 0.0,
         }

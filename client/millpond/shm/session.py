@@ -130,7 +130,7 @@ class ShmSession:
                     np.copyto(target, columns[f.name], casting="no")
                 described.append([f.name, offset, f.dtype.str, [n, *f.shape]])
             message = {"op": "push", "buffer": buffer, "segment": segment, "n": n,
-                       "columns": described}
+                       "columns": described, "timeout": wait_budget(timeout)}
             if priorities is not None:
                 message["priorities"] = _write_vector(mm, total, priorities,
                                                       protocol.PRIORITY_DTYPE)
@@ -192,7 +192,8 @@ class ShmSession:
             segment = self._free_result_segment(size)
             try:
                 reply, _ = self._request({"op": "sample", "buffer": buffer, "segment": segment.id,
-                                          "offset": 0, "batch_size": batch_size, "seed": seed})
+                                          "offset": 0, "batch_size": batch_size, "seed": seed,
+                                          "timeout": wait_budget(timeout)})
             except BaseException:
                 segment.free = True
                 raise
@@ -258,6 +259,12 @@ class ShmSession:
 
 class ResultPoolExhausted(Exception):
     """Too many live sample results to give another one its own segment."""
+
+
+def wait_budget(timeout: float) -> float:
+    """How long the server may wait for a rate limiter within a call of ``timeout``
+    seconds: a little less, so that its clear error arrives before ours."""
+    return max(0.0, timeout - min(0.05, timeout / 10))
 
 
 def _write_vector(mm: mmap.mmap, offset: int, values: np.ndarray, dtype: np.dtype) -> list:

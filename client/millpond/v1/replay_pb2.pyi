@@ -139,7 +139,7 @@ class InfoRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class BufferInfo(_message.Message):
-    __slots__ = ("name", "config", "size", "pushed", "hot_size", "cold_size", "record_nbytes", "cold_path", "inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds", "sample_wait_seconds", "samples_per_insert")
+    __slots__ = ("name", "config", "size", "pushed", "hot_size", "cold_size", "record_nbytes", "cold_path", "inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds", "sample_wait_seconds", "samples_per_insert", "waiting_inserts", "waiting_samples")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,8 @@ class BufferInfo(_message.Message):
     INSERT_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_INSERT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_INSERTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     name: str
     config: BufferConfig
     size: int
@@ -170,7 +172,9 @@ class BufferInfo(_message.Message):
     insert_wait_seconds: float
     sample_wait_seconds: float
     samples_per_insert: float
-    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ..., size: _Optional[int] = ..., pushed: _Optional[int] = ..., hot_size: _Optional[int] = ..., cold_size: _Optional[int] = ..., record_nbytes: _Optional[int] = ..., cold_path: _Optional[str] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., insert_waits: _Optional[int] = ..., sample_waits: _Optional[int] = ..., insert_wait_seconds: _Optional[float] = ..., sample_wait_seconds: _Optional[float] = ..., samples_per_insert: _Optional[float] = ...) -> None: ...
+    waiting_inserts: int
+    waiting_samples: int
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ..., size: _Optional[int] = ..., pushed: _Optional[int] = ..., hot_size: _Optional[int] = ..., cold_size: _Optional[int] = ..., record_nbytes: _Optional[int] = ..., cold_path: _Optional[str] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., insert_waits: _Optional[int] = ..., sample_waits: _Optional[int] = ..., insert_wait_seconds: _Optional[float] = ..., sample_wait_seconds: _Optional[float] = ..., samples_per_insert: _Optional[float] = ..., waiting_inserts: _Optional[int] = ..., waiting_samples: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ()

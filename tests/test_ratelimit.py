@@ -1,0 +1,255 @@
+"""Rate limiting, queue mode and max_times_sampled in-process: waits, timeouts, ratios, stats.
+
+Concurrency here is real threads on one buffer; the same rules over a real
+server (processes, killed clients, the event loop) are in
+``test_ratelimit_server.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import millpond
+from millpond.core import Schema, TieredBuffer
+from millpond.errors import (
+    BufferClosedError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    InvalidConfigError,
+    RateLimitTimeoutError,
+)
+from support import wait_until
+
+SCHEMA = Schema.from_spec({"id": ("int64", ())})
+
+
+def ids(start: int, n: int) -> dict[str, np.ndarray]:
+    return {"id": np.arange(start, start + n)}
+
+
+def diff(info: dict, limiter: millpond.RateLimiter) -> float:
+    return info["inserts"] * limiter.samples_per_insert - info["samples"]
+
+
+class Background(threading.Thread):
+    """Run ``fn`` in a thread, keeping its result or exception for the test."""
+
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.result, self.error = fn, None, None
+        self.start()
+
+    def run(self):
+        try:
+            self.result = self.fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            self.error = exc
+
+    def outcome(self, timeout: float = 20.0):
+        self.join(timeout)
+        assert not self.is_alive(), "the call never returned"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def test_min_size_makes_samples_wait_until_enough_records_arrive():
+    buf = TieredBuffer(SCHEMA, 100, 100, rate_limiter=millpond.MinSize(10))
+    buf.push_batch(ids(0, 5))
+    waiter = Background(lambda: buf.sample(4, timeout=20))
+    wait_until(lambda: buf.info()["waiting_samples"] == 1)
+    assert waiter.is_alive()
+    buf.push_batch(ids(5, 5))
+    assert len(waiter.outcome()["id"]) == 4
+    info = buf.info()
+    assert info["sample_waits"] == 1 and info["waiting_samples"] == 0
+    assert info["sample_wait_seconds"] > 0
+
+
+def test_a_sample_that_times_out_changes_nothing():
+    buf = TieredBuffer(SCHEMA, 100, 100, rate_limiter=millpond.MinSize(10))
+    buf.push_batch(ids(0, 3))
+    before = buf.contents()
+    start = time.monotonic()
+    with pytest.raises(RateLimitTimeoutError) as caught:
+        buf.sample(2, timeout=0.2)
+    assert time.monotonic() - start >= 0.2
+    assert isinstance(caught.value, DeadlineExceededError) and isinstance(caught.value, TimeoutError)
+    assert "min size to sample 10" in str(caught.value)
+    np.testing.assert_array_equal(buf.contents()["id"], before["id"])
+    info = buf.info()
+    assert (info["samples"], info["sample_waits"]) == (0, 1)
+
+
+def test_pushes_wait_when_actors_run_ahead_of_learners():
+    limiter = millpond.SampleToInsertRatio(samples_per_insert=2.0, min_size_to_sample=4,
+                                           error_buffer=8)  # diff in [0, 16]
+    buf = TieredBuffer(SCHEMA, 100, 100, rate_limiter=limiter)
+    buf.push_batch(ids(0, 4))  # free until min size: diff 8
+    buf.push_batch(ids(4, 4))  # diff 16: at the top of the band
+    with pytest.raises(RateLimitTimeoutError):
+        buf.push_batch(ids(8, 1), timeout=0.05)
+    assert len(buf) == 8  # refused whole
+    pusher = Background(lambda: buf.push_batch(ids(8, 1), timeout=20))
+    wait_until(lambda: buf.info()["waiting_inserts"] == 1)
+    buf.sample(2)  # diff 14: room for one insert (worth 2)
+    pusher.outcome()
+    assert len(buf) == 9 and diff(buf.info(), limiter) == 16
+
+
+def test_samples_wait_when_learners_run_ahead_of_actors():
+    limiter = millpond.SampleToInsertRatio(1.0, 2, error_buffer=2)  # diff in [0, 4]
+    buf = TieredBuffer(SCHEMA, 100, 100, rate_limiter=limiter)
+    buf.push_batch(ids(0, 2))
+    buf.sample(2)  # diff 0
+    with pytest.raises(RateLimitTimeoutError):
+        buf.sample(1, timeout=0.05)
+    learner = Background(lambda: buf.sample(2, timeout=20))
+    wait_until(lambda: buf.info()["waiting_samples"] == 1)
+    buf.push_batch(ids(2, 1))
+    assert learner.is_alive()  # one insert is not enough for two samples
+    buf.push_batch(ids(3, 1))
+    assert len(learner.outcome()["id"]) == 2
+
+
+def test_concurrent_actors_and_learners_hold_the_ratio_within_its_band():
+    limiter = millpond.SampleToInsertRatio(samples_per_insert=4.0, min_size_to_sample=64,
+                                           error_buffer=200)
+    buf = TieredBuffer(SCHEMA, 1000, 5000, rate_limiter=limiter)
+    stop = threading.Event()
+    snapshots = []
+
+    def actor(seed):
+        start = seed * 10**6
+        while not stop.is_set():
+            try:
+                buf.push_batch(ids(start, 8), timeout=0.1)
+                start += 8
+            except RateLimitTimeoutError:
+                pass
+
+    def learner():
+        for _ in range(150):
+            buf.sample(32, timeout=20)
+
+    def observer():
+        while not stop.is_set():
+            snapshots.append(buf.info())
+
+    actors = [Background(lambda s=s: actor(s)) for s in range(3)]
+    watch = Background(observer)
+    learners = [Background(learner) for _ in range(2)]
+    for thread in learners:
+        thread.outcome(60)
+    stop.set()
+    for thread in actors + [watch]:
+        thread.outcome()
+    final = buf.info()
+    assert final["samples"] == 2 * 150 * 32
+    for info in snapshots + [final]:
+        assert limiter.min_diff <= diff(info, limiter) <= limiter.max_diff, info
+    assert final["sample_waits"] + final["insert_waits"] > 0  # the limiter did work
+    expected = limiter.samples_per_insert
+    assert abs(final["samples_per_insert"] - expected) <= limiter.band / final["inserts"] + 0.5
+
+
+def test_closing_the_buffer_releases_its_waiters():
+    buf = TieredBuffer(SCHEMA, 10, 10, rate_limiter=millpond.MinSize(5))
+    waiter = Background(lambda: buf.sample(1, timeout=60))
+    wait_until(lambda: buf._rate.waiting["sample"] == 1)
+    buf.close()
+    with pytest.raises(BufferClosedError):
+        waiter.outcome()
+
+
+def test_requests_that_could_never_pass_are_refused_at_once():
+    limiter = millpond.SampleToInsertRatio(1.0, 1, error_buffer=(0, 10))
+    buf = TieredBuffer(SCHEMA, 100, 100, rate_limiter=limiter)
+    with pytest.raises(InvalidArgumentError, match="band"):
+        buf.push_batch(ids(0, 11), timeout=60)
+    assert len(buf) == 0 and buf.info()["inserts"] == 0
+    buf.push_batch(ids(0, 10))
+    with pytest.raises(InvalidArgumentError, match="band"):
+        buf.sample(11, timeout=60)
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        buf.sample(1, timeout=-1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: millpond.MinSize(0),
+    lambda: millpond.SampleToInsertRatio(0.0, 1, 10),
+    lambda: millpond.SampleToInsertRatio(1.0, 1, -1),
+    lambda: millpond.SampleToInsertRatio(1.0, 1, (5, 1)),
+    lambda: millpond.RateLimiter(float("nan"), 1),
+    lambda: TieredBuffer(SCHEMA, 10, 10, mode="ring"),
+    lambda: TieredBuffer(SCHEMA, 10, 10, mode="queue", max_times_sampled=2),
+    lambda: TieredBuffer(SCHEMA, 10, 10, max_times_sampled=-1),
+    lambda: TieredBuffer(SCHEMA, 10, 10, rate_limiter="fast"),
+    lambda: millpond.PrioritizedReplayBuffer(10, obs_dim=1, act_dim=1).__class__(
+        10, obs_dim=1, act_dim=1, rate_limiter=object()),
+])
+def test_impossible_sampling_configs_are_refused(make):
+    with pytest.raises(InvalidConfigError):
+        make()
+
+
+def test_a_queue_hands_every_record_out_once_in_order_between_threads():
+    buf = millpond.ReplayBuffer(16, fields={"id": ("int64", ())}, mode="queue")
+    total = 2000
+
+    def producer():
+        for start in range(0, total, 10):
+            buf.push_batch(id=np.arange(start, start + 10), timeout=20)
+
+    pushing = Background(producer)
+    got = []
+    while len(got) < total:
+        got.extend(buf.sample(5, timeout=20)["id"].tolist())
+    pushing.outcome()
+    assert got == list(range(total))  # FIFO, nothing lost, nothing twice
+    info = buf.info()
+    assert len(buf) == 0 and info["inserts"] == info["samples"] == total
+    assert info["insert_waits"] > 0  # the 16-record queue made the producer wait
+
+
+def test_a_stack_returns_the_newest_first_and_removes_them(tmp_path):
+    buf = millpond.MmapReplayBuffer(2, 6, fields={"id": ("int64", ())}, mode="stack",
+                                    cold_path=tmp_path / "stack.cold")
+    buf.push_batch(id=np.arange(5))
+    assert buf.sample(3)["id"].tolist() == [4, 3, 2]
+    buf.push_batch(id=np.array([10, 11]))
+    assert buf.sample(4)["id"].tolist() == [11, 10, 1, 0]
+    with pytest.raises(RateLimitTimeoutError):
+        buf.sample(1, timeout=0)
+
+
+def test_max_times_sampled_removes_records_after_n_draws():
+    buf = millpond.ReplayBuffer(100, fields={"id": ("int64", ())}, max_times_sampled=3)
+    buf.push_batch(id=np.arange(20))
+    drawn, seed = [], 0
+    while len(buf) >= 4:  # a sample of k needs k records not used up
+        drawn.append(buf.sample(4, seed=seed)["id"])
+        seed += 1
+    counts = np.bincount(np.concatenate(drawn), minlength=20)
+    assert counts.max() == 3  # never past the limit, within a batch either
+    assert len(buf) == (counts < 3).sum() < 4  # the used-up ones are gone
+    np.testing.assert_array_equal(buf._backend.contents()["id"], np.flatnonzero(counts < 3))
+    with pytest.raises(millpond.NotEnoughDataError):
+        buf.sample(4)
+
+
+def test_sampling_config_and_stats_are_in_info():
+    limiter = millpond.SampleToInsertRatio(2.0, 3, error_buffer=10)
+    buf = millpond.ReplayBuffer(50, obs_dim=1, act_dim=1, rate_limiter=limiter,
+                                max_times_sampled=5)
+    buf.push_batch(np.zeros((4, 1)), np.zeros((4, 1)), np.zeros((4, 1)), np.zeros(4),
+                   np.zeros(4), np.zeros(4))
+    buf.sample(3)
+    info = buf.info()
+    assert info["mode"] == "replay" and info["max_times_sampled"] == 5
+    assert millpond.RateLimiter.from_dict(info["rate_limiter"]) == limiter
+    assert (info["inserts"], info["samples"], info["samples_per_insert"]) == (4, 3, 0.75)
