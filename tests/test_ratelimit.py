@@ -15,6 +15,7 @@ import pytest
 
 import millpond
 from millpond.core import Schema, TieredBuffer
+from millpond.core.prioritized import PrioritizedTieredBuffer
 from millpond.errors import (
     BufferClosedError,
     DeadlineExceededError,
@@ -189,8 +190,8 @@ def test_requests_that_could_never_pass_are_refused_at_once():
     lambda: TieredBuffer(SCHEMA, 10, 10, mode="queue", max_times_sampled=2),
     lambda: TieredBuffer(SCHEMA, 10, 10, max_times_sampled=-1),
     lambda: TieredBuffer(SCHEMA, 10, 10, rate_limiter="fast"),
-    lambda: millpond.PrioritizedReplayBuffer(10, obs_dim=1, act_dim=1).__class__(
-        10, obs_dim=1, act_dim=1, rate_limiter=object()),
+    lambda: millpond.PrioritizedReplayBuffer(10, obs_dim=1, act_dim=1, rate_limiter=object()),
+    lambda: PrioritizedTieredBuffer(SCHEMA, 10, 10, mode="stack"),
 ])
 def test_impossible_sampling_configs_are_refused(make):
     with pytest.raises(InvalidConfigError):

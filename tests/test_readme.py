@@ -25,3 +25,7 @@ def test_in_process_quickstart_runs():
 def test_server_quickstart_runs(server):
     code = python_blocks()[1].replace("localhost:50051", server.address)
     exec(compile(code, "README.md[1]", "exec"), {})
+
+
+def test_rate_limit_example_runs():
+    exec(compile(python_blocks()[2], "README.md[2]", "exec"), {})
