@@ -343,6 +343,55 @@ class TieredBuffer:
             self._rate.inserts += n
             self._changed()
 
+    def _append(self, n: int, batch: Mapping[str, np.ndarray], extra: Any = None) -> None:
+        """Store a validated batch (lock held).
+
+        Persistent buffers commit in three steps so that a crash at any point
+        leaves a consistent committed state: (1) the records this push evicts
+        are declared gone before their slots are reused; (2) hot records moved
+        to cold are declared cold before their hot slots are reused; (3) the
+        new records become live. A crash before (3) leaves the push absent.
+        """
+        old, new = self._pushed, self._pushed + n
+        first = max(self._first, new - self.total_capacity)
+        hot_lo = max(self._hot_lo, new - self.hot_capacity)
+        self._commit(old, first, self._hot_lo)  # (1) evictions
+        if self._cold is not None:
+            # Hot records pushed out by this batch move to cold; a batch larger
+            # than the hot ring sends its own head straight to cold.
+            if max(first, self._hot_lo) < min(hot_lo, old):
+                self._hot.copy_to(self._cold, max(first, self._hot_lo), min(hot_lo, old))
+            if max(first, old) < hot_lo:
+                self._cold.write(max(first, old), hot_lo, batch, old)
+        self._commit(old, first, hot_lo)  # (2) spilled records now read from cold
+        self._hot.write(max(old, hot_lo), new, batch, old)
+        self._commit(new, first, hot_lo, final=True)  # (3) the push is in
+        self._appended(old, new, extra)
+
+    def _appended(self, old: int, new: int, extra: Any) -> None:
+        """Hook after records ``old..new-1`` became live (lock held): fresh sample counts."""
+        if self._times is not None:
+            slots = np.arange(max(old, self._first), new) % self.total_capacity
+            self._times[slots] = 0
+            self._tree.update(slots, np.ones(len(slots)))
+
+    def _commit(self, pushed: int, first: int, hot_lo: int, final: bool = False) -> None:
+        """Adopt the live ranges; record them in the file if persistent (or ``final``)."""
+        first = min(first, pushed)
+        hot_lo = min(max(hot_lo, first), pushed)
+        if self._removed and first > self._first:  # used-up records leave with the evicted
+            gone = np.arange(self._first, first) % self.total_capacity
+            self._removed -= int((self._times[gone] >= self.max_times_sampled).sum())
+        self._pushed, self._first, self._hot_lo = pushed, first, hot_lo
+        if len(self._holes):  # damaged records leave with the evicted ones (or popped)
+            self._holes = self._holes[(self._holes >= first) & (self._holes < pushed)]
+        if self._file is not None and (self.persistent or final):
+            self._file.commit(pushed, first, hot_lo)
+            if self._sync_every_push:
+                self._file.sync()
+
+    # ---- waiting for the rate limiter -----------------------------------------
+
     def _await(self, kind: str, ready, timeout: float | None) -> None:
         """Wait (lock held) until ``ready()``, at most ``timeout`` seconds; count the wait."""
         if ready():
@@ -394,54 +443,6 @@ class TieredBuffer:
         if kind == "insert":
             return not self._rate.can_insert(n, self._size())
         return not self._sample_ready(n)
-
-
-    def _append(self, n: int, batch: Mapping[str, np.ndarray], extra: Any = None) -> None:
-        """Store a validated batch (lock held).
-
-        Persistent buffers commit in three steps so that a crash at any point
-        leaves a consistent committed state: (1) the records this push evicts
-        are declared gone before their slots are reused; (2) hot records moved
-        to cold are declared cold before their hot slots are reused; (3) the
-        new records become live. A crash before (3) leaves the push absent.
-        """
-        old, new = self._pushed, self._pushed + n
-        first = max(self._first, new - self.total_capacity)
-        hot_lo = max(self._hot_lo, new - self.hot_capacity)
-        self._commit(old, first, self._hot_lo)  # (1) evictions
-        if self._cold is not None:
-            # Hot records pushed out by this batch move to cold; a batch larger
-            # than the hot ring sends its own head straight to cold.
-            if max(first, self._hot_lo) < min(hot_lo, old):
-                self._hot.copy_to(self._cold, max(first, self._hot_lo), min(hot_lo, old))
-            if max(first, old) < hot_lo:
-                self._cold.write(max(first, old), hot_lo, batch, old)
-        self._commit(old, first, hot_lo)  # (2) spilled records now read from cold
-        self._hot.write(max(old, hot_lo), new, batch, old)
-        self._commit(new, first, hot_lo, final=True)  # (3) the push is in
-        self._appended(old, new, extra)
-
-    def _appended(self, old: int, new: int, extra: Any) -> None:
-        """Hook after records ``old..new-1`` became live (lock held): fresh sample counts."""
-        if self._times is not None:
-            slots = np.arange(max(old, self._first), new) % self.total_capacity
-            self._times[slots] = 0
-            self._tree.update(slots, np.ones(len(slots)))
-
-    def _commit(self, pushed: int, first: int, hot_lo: int, final: bool = False) -> None:
-        """Adopt the live ranges; record them in the file if persistent (or ``final``)."""
-        first = min(first, pushed)
-        hot_lo = min(max(hot_lo, first), pushed)
-        if self._removed and first > self._first:  # used-up records leave with the evicted
-            gone = np.arange(self._first, first) % self.total_capacity
-            self._removed -= int((self._times[gone] >= self.max_times_sampled).sum())
-        self._pushed, self._first, self._hot_lo = pushed, first, hot_lo
-        if len(self._holes):  # damaged records leave with the evicted ones (or popped)
-            self._holes = self._holes[(self._holes >= first) & (self._holes < pushed)]
-        if self._file is not None and (self.persistent or final):
-            self._file.commit(pushed, first, hot_lo)
-            if self._sync_every_push:
-                self._file.sync()
 
     # ---- reads ----------------------------------------------------------------
 
