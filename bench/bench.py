@@ -297,6 +297,42 @@ def push_per_step_rate(server: ServerProcess, seconds: float) -> float:
     return rate
 
 
+def queue_section(server: ServerProcess, seconds: float) -> None:
+    """How fast a waiting sample wakes up: a queue handing single records from a producer
+    thread to a consumer blocked on the empty queue, beside a sample that need not wait."""
+    print("\nQueues and rate limits: hand-off of one record to a consumer waiting on an empty "
+          "queue, p50")
+    fields = {"t": ("float64", ())}
+    for transport in ("grpc", "shm"):
+        client = millpond.connect(server.address, shm=transport == "shm")
+        queue = client.create_buffer(f"bench-queue-{transport}", 1024, fields=fields, mode="queue")
+        plain = client.create_buffer(f"bench-plain-{transport}", 1024, fields=fields)
+        plain.push_batch(t=np.zeros(16))
+        baseline = latency_p50(lambda: plain.sample(1), seconds)
+        producer_client = millpond.connect(server.address, shm=transport == "shm")
+        producer = producer_client.buffer(queue.info()["name"])
+        lags, stop = [], threading.Event()
+
+        def produce():
+            while not stop.is_set():
+                if queue.info()["waiting_samples"]:  # hand over only to a waiting consumer
+                    producer.push_batch(t=np.array([time.perf_counter()]))
+                time.sleep(0.001)
+
+        thread = threading.Thread(target=produce, daemon=True)
+        thread.start()
+        deadline = time.perf_counter() + max(seconds, 1.0)
+        while time.perf_counter() < deadline or len(lags) < 20:
+            sent = queue.sample(1, timeout=10)["t"][0]
+            lags.append(time.perf_counter() - sent)
+        stop.set()
+        thread.join()
+        print(f"  {transport:5} {statistics.median(lags) * 1e6:8,.0f} us from push to the waiting "
+              f"consumer; a sample(1) that need not wait: {baseline * 1e6:,.0f} us round trip")
+        queue.close()
+        plain.close()
+
+
 def durability_section(tmp: Path, seconds: float) -> None:
     """What durability costs: push throughput under each --sync policy, same run."""
     w = workloads(quick=True)[0]  # CartPole, 10,000 records per push_batch
@@ -348,6 +384,7 @@ def main() -> None:
         print(f"\ngRPC floor: an empty call (health check) takes {1e6 / floor:,.0f} us round trip "
               f"here, so one caller can make at most {floor:,.0f} calls/s "
               f"= {floor * SAMPLE_BATCH:,.0f} records/s at sample({SAMPLE_BATCH}).")
+        queue_section(server, seconds)
         memory_figure(server, 100_000 if args.quick else 1_000_000)
     durability_section(tmp, seconds)
     prioritized_section(tmp, args.quick, seconds)
