@@ -133,13 +133,24 @@ class PrioritizedTieredBuffer(TieredBuffer):
         tree, total = self._tree, self._tree.total
         if not total > 0:  # every priority is zero: nothing is more likely than anything
             return super()._draw(rng, batch_size)
-        leaves = tree.find(rng.random(batch_size) * total)
-        seqs = self._first + (leaves - self._first) % self.total_capacity
-        n = self._size()
-        probs = tree.get(leaves) / total
-        with np.errstate(divide="ignore"):
-            weights = (n * probs) ** -self.beta / (n * tree.min / total) ** -self.beta
-        return seqs, {"weights": weights.astype(np.float32), "indices": seqs.astype(np.int64)}
+        prefix = rng.random(batch_size)
+        prefix *= total
+        leaves, values = tree.find_values(prefix)
+        # The live seq of each leaf: the slots from first's onwards hold this
+        # lap's seqs, the ones before it the next lap's.
+        shift = self._first % self.total_capacity
+        seqs = leaves + (self._first - shift)
+        if shift:
+            seqs += (leaves < shift) * self.total_capacity
+        # (N * P(i)) ** -beta / (N * P_min) ** -beta with P = value / total,
+        # that is (value / min) ** -beta.
+        smallest = tree.min
+        if smallest > 0:
+            weights = values / smallest
+            np.power(weights, -self.beta, out=weights)
+        else:  # a priority so small that ** alpha underflowed: P_min is 0
+            weights = np.full(batch_size, 1.0 if self.beta == 0 else 0.0)
+        return seqs, {"weights": weights.astype(np.float32), "indices": seqs.copy()}
 
 
 def open_buffer(path, **kwargs: Any) -> TieredBuffer:
