@@ -232,3 +232,83 @@ def test_too_large_capacity_fails_at_creation(small_fs):
         assert len(b) == 50
         assert os.stat(path).st_blocks * 512 >= os.stat(path).st_size
     assert not path.exists()
+
+
+# ---- slot arrays ---------------------------------------------------------------------
+
+
+def test_slot_arrays_are_page_aligned_zeroed_regions_that_survive_reopening(tmp_path):
+    path = str(tmp_path / "slots.bin")
+    schema = millpond.Schema.from_spec(FIELDS)
+    file = ColdFile.create(path, schema, 3, 13, persistent=True,
+                           slot_arrays={"priority": "<f8", "owner": "<u8", "flag": "u1"})
+    assert file.meta["slot_arrays"] == {"priority": "<f8", "owner": "<u8", "flag": "|u1"}
+    regions = file.meta["regions"]
+    for name, itemsize in (("priority", 8), ("owner", 8), ("flag", 1)):
+        offset, nbytes = regions[f"slot:{name}"]
+        assert offset % PAGE == 0 and nbytes == 13 * itemsize
+        array = file.slot_array(name)
+        assert array.shape == (13,) and array.itemsize == itemsize and not array.any()
+    del array  # the map cannot close while a view of it is alive
+    file.slot_array("priority")[:] = np.linspace(0.5, 6.5, 13)
+    file.slot_array("owner")[4] = 2**64 - 1
+    assert file.slot_array("missing") is None
+    file.close(delete=False)
+
+    again = ColdFile.open(path)
+    np.testing.assert_array_equal(again.slot_array("priority"), np.linspace(0.5, 6.5, 13))
+    assert again.slot_array("owner")[4] == 2**64 - 1 and again.slot_array("owner").dtype == "<u8"
+    again.slot_array("flag")[12] = 7  # writable after reopening too
+    again.close(delete=False)
+    third = ColdFile.open(path)
+    assert third.slot_array("flag")[12] == 7
+    third.close(delete=True)
+
+
+def test_slot_array_names_cannot_collide_with_fields(tmp_path):
+    """A field may be called like a slot array: the regions stay apart."""
+    fields = {"priority": ("float64", ())}
+    schema = millpond.Schema.from_spec(fields)
+    file = ColdFile.create(str(tmp_path / "f.bin"), schema, 2, 6, persistent=True,
+                           slot_arrays={"priority": "<f8"})
+    assert {"priority", "hot:priority", "slot:priority"} <= file.meta["regions"].keys()
+    file.slot_array("priority")[:] = 9.0
+    file.hot_tier.columns["priority"][:] = 1.0
+    file.tier.columns["priority"][:] = 2.0
+    assert (file.slot_array("priority") == 9.0).all()
+    file.close(delete=True)
+
+
+def test_files_without_slot_arrays_open_and_have_none(buf, tmp_path):
+    meta, _ = read_header(tmp_path / "cold.bin")
+    assert "slot_arrays" not in meta and not any(r.startswith("slot:") for r in meta["regions"])
+    path = str(tmp_path / "plain.bin")
+    ColdFile.create(path, millpond.Schema.from_spec(FIELDS), 3, 13, persistent=True).close(False)
+    file = ColdFile.open(path)
+    assert file.slot_array("priority") is None
+    file.close(delete=False)
+
+
+@pytest.mark.parametrize("slot_arrays", [{"p": "object"}, {"p": "no-such-type"},
+                                         {"p": [("a", "<f8")]}, {"": "<f8"}])
+def test_bad_slot_arrays_are_refused(tmp_path, slot_arrays):
+    with pytest.raises(millpond.InvalidConfigError):
+        ColdFile.create(str(tmp_path / "bad.bin"), millpond.Schema.from_spec(FIELDS), 3, 13,
+                        persistent=True, slot_arrays=slot_arrays)
+    assert not (tmp_path / "bad.bin").exists()
+
+
+def test_a_slot_array_region_of_the_wrong_size_is_a_damaged_header(tmp_path):
+    path = tmp_path / "slots.bin"
+    ColdFile.create(str(path), millpond.Schema.from_spec(FIELDS), 3, 13, persistent=True,
+                    slot_arrays={"priority": "<f8"}).close(delete=False)
+    raw = bytearray(path.read_bytes())
+    length = struct.unpack_from("<I", raw, 16)[0]
+    meta = json.loads(raw[128 : 128 + length])
+    meta["regions"]["slot:priority"][1] -= 8
+    blob = json.dumps(meta).encode()
+    raw[128 : 128 + len(blob)] = blob
+    struct.pack_into("<I", raw, 16, len(blob))
+    path.write_bytes(bytes(raw))
+    with pytest.raises(millpond.CorruptFileError, match="damaged header"):
+        ColdFile.open(str(path))

@@ -137,6 +137,7 @@ class TieredBuffer:
         mode: str = "replay",
         max_times_sampled: int | None = None,
         rate_limiter: RateLimiter | None = None,
+        slot_arrays: Mapping[str, str] | None = None,
     ):
         hot, total = check_capacities(hot_capacity, total_capacity)
         sampling = check_sampling(mode, max_times_sampled, rate_limiter, total)
@@ -147,7 +148,7 @@ class TieredBuffer:
             path = os.fspath(cold_path) if cold_path is not None else _temp_cold_path()
             meta = {**(file_meta or {}), **_sampling_meta(*sampling)}
             file = BufferFile.create(path, schema, hot, total, persistent=persistent,
-                                     extra_meta=meta)
+                                     extra_meta=meta, slot_arrays=slot_arrays)
         self._setup(schema, hot, total, file, sync_every_push)
         self._setup_sampling(*sampling)
 

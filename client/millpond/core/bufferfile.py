@@ -14,15 +14,23 @@ Layout (all integers little-endian)::
                 u32 crc32 of the four (live seqs: [first, pushed); hot from hot_lo)
     offset 72   commit slot B: the same
     offset 128  JSON   {"schema", "hot_capacity", "total_capacity",
-                        "cold_capacity", "persistent",
+                        "cold_capacity", "persistent", ["slot_arrays": {name: dtype}],
                         "regions": {name: [offset, nbytes]}}
-    then one page-aligned region per tier and field, and one per tier for seq
+    then one page-aligned region per tier and field, one per tier for seq,
+    and one per slot array ("slot:<name>", ``total_capacity`` elements)
 
 The commit point of a push is its counter: written, after the records, to the
 slot the next generation names (A, B, A, ...) with a checksum. A crash in the
 middle of writing a slot leaves the other one intact, and reopening takes the
 valid slot with the highest generation. Records past the committed counter
 are ignored, so an interrupted push is absent, never half present.
+
+Slot arrays are side arrays with one element per record slot of the whole
+FIFO (``seq % total_capacity``), e.g. the priorities of a prioritized buffer.
+They are plain mapped memory: what is written there is not part of the
+commit, and their owner decides what a stale or damaged element means. A
+file without them (older ones) has no "slot_arrays" key; a reader that does
+not know the key ignores it, so the format version is unchanged.
 
 The whole file is allocated with ``posix_fallocate`` at creation: a full disk
 fails there with :class:`StorageFullError` (the partial file is removed)
@@ -38,6 +46,7 @@ import mmap
 import os
 import struct
 import zlib
+from typing import Mapping
 
 import numpy as np
 
@@ -59,6 +68,7 @@ _JSON_OFFSET = 128
 SEQ_REGION = "#seq"
 CHECKSUM_REGION = "#checksum"
 HOT_PREFIX = "hot:"
+SLOT_PREFIX = "slot:"  # never a field name's prefix either: fields are identifiers
 
 
 def _round_up(n: int, to: int = PAGE) -> int:
@@ -110,18 +120,31 @@ class BufferFile:
         self.tier = _map_tier(mm, schema, cold, regions, "") if cold else None
         self.hot_tier = (_map_tier(mm, schema, meta["hot_capacity"], regions, HOT_PREFIX)
                          if meta["persistent"] else None)
+        self._slot_arrays = {
+            name: np.frombuffer(mm, np.dtype(dtype), meta["total_capacity"],
+                                regions[SLOT_PREFIX + name][0])
+            for name, dtype in meta.get("slot_arrays", {}).items()
+        }
+
+    def slot_array(self, name: str) -> np.ndarray | None:
+        """The writable mapped array ``name`` (one element per slot), or None if the file has none."""
+        return self._slot_arrays.get(name)
 
     # ---- create / open -------------------------------------------------------------
 
     @classmethod
     def create(cls, path: str, schema: Schema, hot_capacity: int, total_capacity: int,
-               persistent: bool = False, extra_meta: dict | None = None) -> "BufferFile":
+               persistent: bool = False, extra_meta: dict | None = None,
+               slot_arrays: Mapping[str, str] | None = None) -> "BufferFile":
         """Create (or replace) the file at ``path``, fully allocated.
 
-        ``persistent`` puts the hot ring in the file as well. Raises
-        :class:`StorageFullError` when the disk cannot hold it; the partial
-        file is removed.
+        ``persistent`` puts the hot ring in the file as well. ``slot_arrays``
+        (``{name: numpy dtype string}``, e.g. ``{"priority": "<f8"}``) adds one
+        zeroed array of ``total_capacity`` elements each: see
+        :meth:`slot_array`. Raises :class:`StorageFullError` when the disk
+        cannot hold it; the partial file is removed.
         """
+        slot_arrays = _check_slot_arrays(slot_arrays or {})
         cold_capacity = total_capacity - hot_capacity
         meta = {
             "schema": {name: [dt, list(shape)] for name, (dt, shape) in schema.spec().items()},
@@ -135,6 +158,10 @@ class BufferFile:
         sizes = _region_sizes(schema, cold_capacity, "", persistent) if cold_capacity else []
         if persistent:
             sizes += _region_sizes(schema, hot_capacity, HOT_PREFIX, True)
+        if slot_arrays:
+            meta["slot_arrays"] = slot_arrays
+            sizes += [(SLOT_PREFIX + name, total_capacity * np.dtype(dtype).itemsize)
+                      for name, dtype in slot_arrays.items()]
         header, regions, size = _layout(sizes, meta)
         meta["regions"] = regions
         try:
@@ -223,6 +250,7 @@ class BufferFile:
         for tier in (self.tier, self.hot_tier):
             if tier is not None:
                 tier.release()  # views into the map must go before it closes
+        self._slot_arrays = {}
         self._mm.close()
         os.close(self._fd)
         self._mm = None
@@ -245,7 +273,10 @@ def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema]:
         schema = Schema.from_spec({k: (dt, tuple(shape)) for k, (dt, shape) in meta["schema"].items()})
         regions = meta["regions"]
         end = max((off + n for off, n in regions.values()), default=header)
-    except (ValueError, KeyError, TypeError) as exc:
+        for name, dtype in meta.get("slot_arrays", {}).items():
+            if regions[SLOT_PREFIX + name][1] != meta["total_capacity"] * np.dtype(dtype).itemsize:
+                raise ValueError(f"slot array {name!r} has the wrong size")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptFileError(f"{path}: damaged header metadata") from exc
     if end > len(mm):
         raise CorruptFileError(f"{path}: truncated: {len(mm):,} bytes, regions need {end:,}")
@@ -275,6 +306,21 @@ def _map_tier(mm: mmap.mmap, schema: Schema, capacity: int, regions: dict, prefi
     checksum = (view(CHECKSUM_REGION, CHECKSUM_DTYPE, ())
                 if prefix + CHECKSUM_REGION in regions else None)
     return Tier(capacity, columns, view(SEQ_REGION, SEQ_DTYPE, ()), checksum)
+
+
+def _check_slot_arrays(slot_arrays: Mapping[str, str]) -> dict[str, str]:
+    checked = {}
+    for name, dtype in slot_arrays.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidConfigError(f"slot array names must be non-empty strings, got {name!r}")
+        try:
+            dt = np.dtype(dtype)
+        except TypeError as exc:
+            raise InvalidConfigError(f"slot array {name!r}: bad dtype {dtype!r}") from exc
+        if dt.hasobject or dt.fields is not None or dt.subdtype is not None or dt.itemsize == 0:
+            raise InvalidConfigError(f"slot array {name!r}: dtype {dtype!r} cannot live in a file")
+        checked[name] = dt.str  # e.g. "<f8": explicit byte order
+    return checked
 
 
 def _allocate(fd: int, size: int, path: str) -> None:
