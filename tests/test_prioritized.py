@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 
 import millpond
+from millpond.core import TieredBuffer
+from millpond.core.bufferfile import BufferFile
+from millpond.core.prioritized import PrioritizedTieredBuffer, open_buffer
 from millpond.core.sumtree import SumTree
 from support import ServerProcess
 
@@ -108,6 +113,173 @@ def test_sum_tree_finds_leaves_in_proportion():
     np.testing.assert_array_equal(tree.find(prefixes), [0, 0, 2, 2, 4, 4, 6, 6])
 
 
+# ---- persistent buffers: priorities in the file ----------------------------------------
+
+ID_SCHEMA = millpond.Schema.from_spec({"id": ("float64", ())})
+
+
+def persistent(path, alpha=1.0, beta=1.0, hot=4, total=12):
+    return PrioritizedTieredBuffer(ID_SCHEMA, hot, total, path, persistent=True,
+                                   alpha=alpha, beta=beta)
+
+
+def push_records(buf, start, n, priorities=None):
+    columns = {"id": np.arange(start, start + n, dtype=np.float64)}
+    if priorities is None:
+        buf.push_batch(columns)
+    else:
+        buf.push_batch(columns, priorities)
+
+
+def batches(buf, seeds=range(6), n=4):
+    return [buf.sample(n, seed=s) for s in seeds]
+
+
+def assert_equal_batches(got, expected):
+    for here, there in zip(got, expected):
+        assert here.keys() == there.keys()
+        for key in here:
+            np.testing.assert_array_equal(here[key], there[key])
+
+
+def test_priorities_and_updates_survive_release_and_open(tmp_path):
+    path = tmp_path / "prio.buf"
+    buf = persistent(path, alpha=0.7, beta=0.5)
+    push_records(buf, 0, 10, np.linspace(0.5, 5.0, 10))
+    push_records(buf, 10, 9, np.linspace(7.0, 1.0, 9))  # 19 pushed: seqs 0..6 evicted
+    sampled = buf.sample(8, seed=1)["indices"]
+    assert buf.update_priorities(sampled, np.arange(8) * 2.5 + 0.1) == 8
+    buf.push({"id": 99.0})  # no priority given: the largest seen so far
+    expected, max_priority = batches(buf), buf.max_priority
+    buf.release()
+
+    again = open_buffer(path)
+    assert isinstance(again, PrioritizedTieredBuffer) and (again.alpha, again.beta) == (0.7, 0.5)
+    assert again.max_priority == max_priority
+    assert_equal_batches(batches(again), expected)  # records, weights and indices
+    # updates after reopening are kept too, on the records they name
+    live = np.arange(again.pushed - len(again), again.pushed)
+    assert again.update_priorities(live, np.where(live == live[3], 50.0, 1.0)) == len(again)
+    expected = batches(again)
+    again.release()
+    third = open_buffer(path)
+    assert_equal_batches(batches(third), expected)
+    assert third.max_priority == 50.0
+    got = np.bincount(np.concatenate([b["indices"] for b in batches(third, range(200))]))
+    assert got.argmax() == live[3]
+    third.close()
+
+
+def test_slots_of_evicted_records_carry_their_new_records_priorities(tmp_path):
+    path = tmp_path / "prio.buf"
+    buf = persistent(path, hot=2, total=4)
+    push_records(buf, 0, 4, [100.0, 100.0, 1.0, 1.0])
+    push_records(buf, 4, 2, [1.0, 3.0])  # seqs 4 and 5 take the slots of 0 and 1
+    buf.release()
+    again = open_buffer(path)
+    batch = again.sample(4, seed=0)
+    # alpha = beta = 1: the weight is p_min / p, whoever holds the slot
+    np.testing.assert_allclose(batch["weights"], 1.0 / np.array([1.0, 1.0, 1.0, 3.0])[
+        batch["indices"] - 2], rtol=1e-6)
+    assert again.max_priority == 3.0  # the largest live one: the 100s are gone
+    again.close()
+
+
+def stored_priorities(path):
+    """The file offsets of the priority and priority_seq slot arrays."""
+    regions = BufferFile.peek(str(path))["regions"]
+    return regions["slot:priority"][0], regions["slot:priority_seq"][0]
+
+
+@pytest.mark.parametrize("damage", ["nan", "negative", "inf", "not its own"])
+def test_a_damaged_stored_priority_comes_back_as_the_max_priority(tmp_path, damage):
+    path = tmp_path / "prio.buf"
+    buf = persistent(path)
+    push_records(buf, 0, 6, [1.0, 2.0, 3.0, 4.0, 6.0, 5.0])
+    buf.release()
+    priority_at, owner_at = stored_priorities(path)
+    with open(path, "r+b") as f:  # record 2 (slot 2)
+        if damage == "not its own":  # its push's priority write never happened
+            f.seek(owner_at + 8 * 2)
+            f.write(struct.pack("<Q", 7))
+        else:
+            f.seek(priority_at + 8 * 2)
+            f.write(struct.pack("<d", {"nan": np.nan, "negative": -3.0, "inf": np.inf}[damage]))
+    again = open_buffer(path)
+    assert again.max_priority == 6.0  # the largest sound live priority
+    weights = {}
+    for batch in batches(again, range(40), n=6):
+        weights.update(zip(batch["indices"].tolist(), batch["weights"].tolist()))
+    np.testing.assert_allclose(weights[2], 1.0 / 6.0, rtol=1e-6)  # p_min / max_priority
+    np.testing.assert_allclose(weights[4], 1.0 / 6.0, rtol=1e-6)
+    np.testing.assert_allclose(weights[1], 1.0 / 2.0, rtol=1e-6)
+    again.release()
+    with open(path, "rb") as f:  # the file was repaired to say what the tree does
+        f.seek(priority_at + 8 * 2)
+        assert struct.unpack("<d", f.read(8))[0] == 6.0
+        f.seek(owner_at + 8 * 2)
+        assert struct.unpack("<Q", f.read(8))[0] == 2
+
+
+def test_damaged_records_stay_out_and_the_others_keep_their_priorities(tmp_path):
+    path = tmp_path / "prio.buf"
+    buf = persistent(path, hot=4, total=8)
+    push_records(buf, 0, 6, [1.0, 2.0, 3.0, 4.0, 9.0, 6.0])  # 0, 1 cold; 2..5 hot
+    buf.release()
+    offset = BufferFile.peek(str(path))["regions"]["hot:id"][0]
+    with open(path, "r+b") as f:  # record 4 (hot slot 0): its checksum no longer matches
+        f.seek(offset + 8 * (4 % 4))
+        f.write(struct.pack("<d", 123.0))
+    again = open_buffer(path, skip_corrupt=True)
+    assert again.damaged == 1 and len(again) == 5
+    assert again.max_priority == 6.0  # record 4's 9.0 is not live any more
+    drawn = {}
+    for batch in batches(again, range(60), n=5):
+        drawn.update(zip(batch["indices"].tolist(), batch["weights"].tolist()))
+    assert set(drawn) == {0, 1, 2, 3, 5}
+    np.testing.assert_allclose([drawn[k] for k in (0, 1, 2, 3, 5)],
+                               [1.0, 1 / 2, 1 / 3, 1 / 4, 1 / 6], rtol=1e-6)
+    again.close()
+
+
+def test_zero_priorities_stay_zero_and_skipped_records_stay_out(tmp_path):
+    path = tmp_path / "prio.buf"
+    buf = persistent(path)
+    push_records(buf, 0, 5, [0.0, 1.0, 0.0, 2.0, 0.5])
+    buf.release()
+    again = open_buffer(path)
+    drawn = np.concatenate([b["indices"] for b in batches(again, range(50))])
+    assert set(drawn.tolist()) == {1, 3, 4}
+    assert again.max_priority == 2.0
+    again.close()
+
+
+def test_files_without_stored_priorities_still_open_at_priority_one(tmp_path):
+    """A file written before priorities were persisted: no slot arrays."""
+    path = tmp_path / "old.buf"
+    old = TieredBuffer(ID_SCHEMA, 4, 12, path, persistent=True,
+                       file_meta={"prioritized": {"alpha": 0.6, "beta": 0.4}})
+    push_records(old, 0, 8)
+    old.release()
+    assert "slot_arrays" not in BufferFile.peek(str(path))
+    buf = open_buffer(path)
+    assert isinstance(buf, PrioritizedTieredBuffer) and len(buf) == 8
+    np.testing.assert_allclose(buf.sample(8, seed=0)["weights"], 1.0)
+    push_records(buf, 8, 2, [4.0, 4.0])  # works, kept in RAM only
+    assert buf.update_priorities([0], [9.0]) == 1
+    assert buf.max_priority == 9.0
+    buf.release()
+    np.testing.assert_allclose(open_buffer(path).sample(8, seed=0)["weights"], 1.0)
+
+
+def test_non_persistent_buffers_keep_priorities_in_ram_only(tmp_path):
+    buf = PrioritizedTieredBuffer(ID_SCHEMA, 4, 12, tmp_path / "cold.buf")
+    assert "slot_arrays" not in BufferFile.peek(str(tmp_path / "cold.buf"))
+    push_records(buf, 0, 12, np.arange(1.0, 13.0))
+    assert buf.sample(4, seed=0)["weights"].max() <= 1.0
+    buf.close()
+
+
 # ---- on a server ---------------------------------------------------------------------
 
 
@@ -152,13 +324,17 @@ def test_a_prioritized_buffer_stays_prioritized_across_restarts(tmp_path):
         buf = millpond.PrioritizedReplayBuffer(20, 2, 1, alpha=0.5, beta=0.3,
                                                address=server.address, name="kept")
         push_ids(buf, 0, 10, np.arange(1, 11, dtype=float))
+        before = buf.sample(10, seed=0)
     with ServerProcess(tmp_path / "data") as server:
         again = millpond.connect(server.address).buffer("kept")
         assert isinstance(again, millpond.api.PrioritizedHandle) and len(again) == 10
         batch = again.sample(10, seed=0)
         assert {"weights", "indices"} <= batch.keys()
-        # priorities are not persisted yet: every record is back at priority 1
-        np.testing.assert_allclose(batch["weights"], 1.0)
+        # the priorities survived the restart: the same seed draws the same batch
+        for key in before:
+            np.testing.assert_array_equal(batch[key], before[key])
+        ids = batch["rewards"].astype(int)
+        np.testing.assert_allclose(batch["weights"], (np.sqrt(ids + 1.0) / 1.0) ** -0.3, rtol=1e-5)
 
 
 # ---- over the shared-memory fast path ------------------------------------------------

@@ -8,8 +8,21 @@ its leaf as the one live seq congruent to it.
 
 Sampling draws ``batch_size`` prefix sums and descends the tree for all at
 once; importance weights are ``(N * P(i)) ** -beta`` divided by their
-largest possible value ``(N * P_min) ** -beta``. Priorities are kept in RAM:
-a reopened persistent buffer starts with every record at priority 1.
+largest possible value ``(N * P_min) ** -beta``.
+
+The tree lives in RAM. A *persistent* buffer also keeps each record's raw
+priority (before ``** alpha``) in its file, in two slot arrays of the whole
+FIFO: ``priority`` and ``priority_seq``, the seq whose priority it is
+(written after it). :meth:`PrioritizedTieredBuffer.open` rebuilds the tree
+from them; ``max_priority`` comes back as the largest live priority (at
+least 1). Priority writes are not part of the crash-consistent commit of a
+push: after a crash a record may come back with the priority it had before
+its last update, never a corrupt one. A record whose stored priority is not
+its own (its push's priority write was cut off: the slot still names the
+record evicted before it), or not a finite number >= 0 (damage), comes back
+at ``max_priority``, like a record pushed without one. Files created before
+priorities were persisted have no such arrays: their records start at
+priority 1, as they always did.
 """
 
 from __future__ import annotations
@@ -23,6 +36,10 @@ from ..errors import InvalidArgumentError, InvalidConfigError
 from .buffer import TieredBuffer
 from .bufferfile import BufferFile
 from .sumtree import SumTree
+
+
+# The slot arrays of a persistent prioritized buffer's file.
+PRIORITY_ARRAYS = {"priority": "<f8", "priority_seq": "<u8"}
 
 
 def _check_exponent(label: str, value: Any) -> float:
@@ -56,6 +73,8 @@ class PrioritizedTieredBuffer(TieredBuffer):
         if kwargs.get("mode", "replay") != "replay":
             raise InvalidConfigError("a prioritized buffer samples in mode='replay' only")
         kwargs["file_meta"] = {"prioritized": {"alpha": alpha, "beta": beta}}
+        if kwargs.get("persistent"):
+            kwargs["slot_arrays"] = {**(kwargs.get("slot_arrays") or {}), **PRIORITY_ARRAYS}
         super().__init__(*args, **kwargs)
         self._setup_priorities(alpha, beta)
 
@@ -63,9 +82,7 @@ class PrioritizedTieredBuffer(TieredBuffer):
     def open(cls, path, *, alpha: float = 0.6, beta: float = 0.4, **kwargs: Any):
         buffer = super().open(path, **kwargs)
         buffer._setup_priorities(alpha, beta)
-        live = np.arange(buffer._first, buffer._pushed)
-        buffer._tree.update(live % buffer.total_capacity, np.ones(len(live)),
-                            unset=np.isin(live, buffer._holes))
+        buffer._restore_priorities()
         return buffer
 
     def _setup_priorities(self, alpha: float, beta: float) -> None:
@@ -73,6 +90,37 @@ class PrioritizedTieredBuffer(TieredBuffer):
         self.beta = _check_exponent("beta", beta)
         self.max_priority = 1.0
         self._tree = SumTree(self.total_capacity)
+        # Whether the file keeps the priorities (persistent, and not older).
+        self._persisted = (self.persistent and self._file.slot_array("priority") is not None
+                           and self._file.slot_array("priority_seq") is not None)
+
+    def _stored(self) -> tuple[np.ndarray, np.ndarray]:
+        """The file's priority and priority_seq arrays (lock held, buffer open).
+
+        Looked up on each use rather than kept: the map cannot close while a
+        view of it is alive.
+        """
+        return self._file.slot_array("priority"), self._file.slot_array("priority_seq")
+
+    def _restore_priorities(self) -> None:
+        """Rebuild the tree of a reopened buffer from the file's priorities (or all 1)."""
+        live = np.arange(self._first, self._pushed)
+        slots = live % self.total_capacity
+        holes = np.isin(live, self._holes)
+        if not self._persisted:
+            values = np.ones(len(live))
+        else:
+            stored, owners = self._stored()
+            values = stored[slots]  # a copy
+            with np.errstate(invalid="ignore"):
+                sound = (owners[slots] == live) & np.isfinite(values) & (values >= 0)
+            if (sound & ~holes).any():
+                self.max_priority = max(1.0, float(values[sound & ~holes].max()))
+            values[~sound] = self.max_priority
+            repair = ~sound & ~holes  # so that the file says what the tree does
+            stored[slots[repair]] = self.max_priority
+            owners[slots[repair]] = live[repair]
+        self._tree.update(slots, values ** self.alpha, unset=holes | (values == 0))
 
     # ---- writes ---------------------------------------------------------------
 
@@ -101,7 +149,13 @@ class PrioritizedTieredBuffer(TieredBuffer):
                   else prios[len(prios) - (new - start):])
         if prios is not None and len(values):
             self.max_priority = max(self.max_priority, float(values.max()))
-        self._tree.update(np.arange(start, new) % self.total_capacity, values ** self.alpha,
+        seqs = np.arange(start, new)
+        slots = seqs % self.total_capacity
+        if self._persisted:  # the priority, then whose it is
+            stored, owners = self._stored()
+            stored[slots] = values
+            owners[slots] = seqs
+        self._tree.update(slots, values ** self.alpha,
                           unset=values == 0)  # zero priority: never drawn, not the minimum
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
@@ -118,8 +172,10 @@ class PrioritizedTieredBuffer(TieredBuffer):
             if len(self._holes):
                 live &= ~np.isin(seqs, self._holes)
             if live.any():
-                self._tree.update(seqs[live] % self.total_capacity, values[live] ** self.alpha,
-                                  unset=values[live] == 0)
+                slots = seqs[live] % self.total_capacity
+                if self._persisted:
+                    self._stored()[0][slots] = values[live]
+                self._tree.update(slots, values[live] ** self.alpha, unset=values[live] == 0)
                 self.max_priority = max(self.max_priority, float(values[live].max()))
             return int(live.sum())
 
