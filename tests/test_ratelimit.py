@@ -254,3 +254,43 @@ def test_sampling_config_and_stats_are_in_info():
     assert info["mode"] == "replay" and info["max_times_sampled"] == 5
     assert millpond.RateLimiter.from_dict(info["rate_limiter"]) == limiter
     assert (info["inserts"], info["samples"], info["samples_per_insert"]) == (4, 3, 0.75)
+
+
+def test_draw_counts_of_a_persistent_buffer_survive_a_reopen(tmp_path):
+    path = tmp_path / "counted.buffer"
+    buf = TieredBuffer(SCHEMA, 4, 12, path, persistent=True, max_times_sampled=2)
+    buf.push_batch(ids(0, 12))
+    for seed in range(4):
+        buf.sample(3, seed=seed)
+    before = buf.contents()["id"].tolist()
+    assert len(before) < 12  # some are used up
+    buf.release()
+    again = TieredBuffer.open(path)
+    assert again.max_times_sampled == 2 and again.contents()["id"].tolist() == before
+    drawn, seed = [], 0
+    while len(again):  # draw what is left, one at a time
+        drawn.append(int(again.sample(1, seed=seed)["id"][0]))
+        seed += 1
+    assert set(drawn) == set(before)  # the used-up ones are never drawn again
+    assert len(drawn) <= 2 * len(before)
+    again.push_batch(ids(100, 3))  # slots reused by new records count from 0
+    assert sorted(again.contents()["id"].tolist()) == [100, 101, 102]
+    again.close()
+
+
+def test_prioritized_records_used_up_stay_gone(tmp_path):
+    buf = PrioritizedTieredBuffer(SCHEMA, 10, 10, max_times_sampled=1, alpha=1.0)
+    buf.push_batch(ids(0, 10), priorities=np.arange(1, 11))
+    batch = buf.sample(4, seed=1)
+    assert len(set(batch["id"].tolist())) == 4 and len(buf) == 6
+    assert buf.update_priorities(batch["indices"], np.full(4, 100.0)) == 0  # not revived
+    rest = buf.sample(6, seed=2)["id"].tolist()
+    assert sorted(rest) == sorted(set(range(10)) - set(batch["id"].tolist()))
+
+
+def test_all_zero_priorities_still_give_weights_and_indices():
+    buf = PrioritizedTieredBuffer(SCHEMA, 10, 10)
+    buf.push_batch(ids(0, 5), priorities=np.zeros(5))
+    batch = buf.sample(5, seed=0)
+    np.testing.assert_array_equal(batch["weights"], np.ones(5, np.float32))
+    np.testing.assert_array_equal(batch["indices"], batch["id"])

@@ -9,7 +9,7 @@
   drop exactly the records used up, and eviction still takes the oldest.
 
 Both run over random capacities with and without a cold tier, persistent or
-not, with release-and-reopen for persistent queues.
+not, with release-and-reopen for persistent buffers.
 """
 
 from __future__ import annotations
@@ -115,10 +115,12 @@ class MaxTimesMachine(RuleBasedStateMachine):
         self.tmpdir = tempfile.mkdtemp(prefix="millpond-maxtimes-")
         self.buf = None
 
-    @initialize(hot=st.integers(1, 6), extra=st.integers(0, 8), limit=st.integers(1, 3))
-    def setup(self, hot, extra, limit):
-        self.total, self.limit = hot + extra, limit
-        self.buf = TieredBuffer(SCHEMA, hot, self.total, os.path.join(self.tmpdir, "m.buffer"),
+    @initialize(hot=st.integers(1, 6), extra=st.integers(0, 8), limit=st.integers(1, 3),
+                persistent=st.booleans())
+    def setup(self, hot, extra, limit, persistent):
+        self.total, self.limit, self.persistent = hot + extra, limit, persistent
+        self.path = os.path.join(self.tmpdir, "m.buffer")
+        self.buf = TieredBuffer(SCHEMA, hot, self.total, self.path, persistent=persistent,
                                 max_times_sampled=limit)
         self.slots: list[int] = []  # ids in the FIFO, used up or not: eviction takes slots
         self.left: dict[int, int] = {}
@@ -152,6 +154,13 @@ class MaxTimesMachine(RuleBasedStateMachine):
             if not self.left[i]:
                 del self.left[i]
 
+    @precondition(lambda self: self.persistent)
+    @rule()
+    def release_and_reopen(self):
+        """Draw counts live in the file: used-up records stay gone, the rest keep theirs."""
+        self.buf.release()
+        self.buf = TieredBuffer.open(self.path)
+
     @invariant()
     def contents_match(self):
         if self.buf is not None:
@@ -164,4 +173,4 @@ SETTINGS = settings(max_examples=60, stateful_step_count=30, deadline=None,
 TestQueueModel = QueueMachine.TestCase
 TestQueueModel.settings = SETTINGS
 TestMaxTimesModel = MaxTimesMachine.TestCase
-TestMaxTimesModel.settings = SETTINGS
+TestMaxTimesModel.settings = settings(SETTINGS, max_examples=150)

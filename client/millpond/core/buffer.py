@@ -42,6 +42,8 @@ from .sumtree import SumTree
 from .tier import Tier
 
 MODES = ("replay", "queue", "stack")
+# The slot array of a persistent buffer with max_times_sampled: draws so far.
+COUNT_ARRAYS = {"times_sampled": "<u4"}
 
 # Per thread: a predicate telling a waiting call that its caller is gone.
 _waits = threading.local()
@@ -141,6 +143,8 @@ class TieredBuffer:
     ):
         hot, total = check_capacities(hot_capacity, total_capacity)
         sampling = check_sampling(mode, max_times_sampled, rate_limiter, total)
+        if persistent and sampling[1]:  # draw counts survive a restart with the records
+            slot_arrays = {**(slot_arrays or {}), **COUNT_ARRAYS}
         file = None
         if persistent or total > hot:
             if cold_path is None and persistent:
@@ -179,11 +183,22 @@ class TieredBuffer:
         buffer._setup_sampling(meta.get("mode", "replay"), meta.get("max_times_sampled"),
                                meta.get("rate_limiter") and RateLimiter.from_dict(meta["rate_limiter"]))
         buffer._rate.restart(len(buffer), removes=buffer.mode != "replay")
-        if buffer._tree is not None:  # uniform with max_times_sampled: counts restart at 0
+        if buffer._tree is not None:  # uniform with max_times_sampled: all but the used up
             live = np.arange(buffer._first, buffer._pushed)
             buffer._tree.update(live % buffer.total_capacity, np.ones(len(live)),
                                 unset=np.isin(live, buffer._holes))
+            buffer._restore_counts()
         return buffer
+
+    def _restore_counts(self) -> None:
+        """After a reopen: live records used up before stay used up (out of the tree)."""
+        if self._times is None:
+            return
+        self._times[self._holes % self.total_capacity] = 0  # damaged ones count as holes
+        slots = np.arange(self._first, self._pushed) % self.total_capacity
+        used = slots[self._times[slots] >= self.max_times_sampled]
+        self._removed = len(used)
+        self._tree.update(used, np.zeros(len(used)), unset=np.ones(len(used), bool))
 
     def _check_records(self, skip_corrupt: bool, progress=None) -> None:
         """Find live records whose slot fails its seq or checksum check."""
@@ -240,9 +255,13 @@ class TieredBuffer:
         self.max_times_sampled = max_times_sampled
         self.rate_limiter = rate_limiter
         self._rate = RateState(rate_limiter)
-        # max_times_sampled: draws per record slot, and a 0/1 tree to draw
-        # uniformly among the records not yet used up (_removed of them).
-        self._times = np.zeros(self.total_capacity, np.uint32) if max_times_sampled else None
+        # max_times_sampled: draws per record slot (in the file if persistent),
+        # and a 0/1 tree to draw uniformly among those not used up (_removed).
+        self._times = None
+        if max_times_sampled:
+            stored = self._file.slot_array("times_sampled") if self.persistent else None
+            self._times = stored if stored is not None else np.zeros(self.total_capacity,
+                                                                     np.uint32)
         self._removed = 0
         if not hasattr(self, "_tree"):  # a prioritized buffer brings its own
             self._tree = SumTree(self.total_capacity) if max_times_sampled else None
@@ -357,6 +376,9 @@ class TieredBuffer:
         first = max(self._first, new - self.total_capacity)
         hot_lo = max(self._hot_lo, new - self.hot_capacity)
         self._commit(old, first, self._hot_lo)  # (1) evictions
+        if self._times is not None:  # the freed slots' draw counts start again
+            self._times[np.arange(max(old, new - self.total_capacity), new)
+                        % self.total_capacity] = 0
         if self._cold is not None:
             # Hot records pushed out by this batch move to cold; a batch larger
             # than the hot ring sends its own head straight to cold.
@@ -370,10 +392,9 @@ class TieredBuffer:
         self._appended(old, new, extra)
 
     def _appended(self, old: int, new: int, extra: Any) -> None:
-        """Hook after records ``old..new-1`` became live (lock held): fresh sample counts."""
+        """Hook after records ``old..new-1`` became live (lock held): they can be drawn."""
         if self._times is not None:
             slots = np.arange(max(old, self._first), new) % self.total_capacity
-            self._times[slots] = 0
             self._tree.update(slots, np.ones(len(slots)))
 
     def _commit(self, pushed: int, first: int, hot_lo: int, final: bool = False) -> None:
@@ -506,7 +527,7 @@ class TieredBuffer:
 
     def _draw(self, rng: np.random.Generator, batch_size: int) -> tuple[np.ndarray, dict]:
         """Which live records to sample (lock held); uniform here. Returns (seqs, extra keys)."""
-        if self._tree is not None:  # some records are used up: draw among the others
+        if self._times is not None:  # some records are used up: draw among the others
             leaves = self._tree.find(rng.random(batch_size) * self._tree.total)
             return self._first + (leaves - self._first) % self.total_capacity, {}
         seqs = rng.integers(self._first, self._pushed, size=batch_size)
@@ -619,6 +640,7 @@ class TieredBuffer:
             self._closed = True
             self._changed()  # waiters wake up and raise BufferClosedError
             self._hot.release()
+            self._times = None  # it may view the file's map, which must close
             if self._file is not None:
                 self._file.close(delete=delete)
 

@@ -83,6 +83,7 @@ class PrioritizedTieredBuffer(TieredBuffer):
         buffer = super().open(path, **kwargs)
         buffer._setup_priorities(alpha, beta)
         buffer._restore_priorities()
+        buffer._restore_counts()
         return buffer
 
     def _setup_priorities(self, alpha: float, beta: float) -> None:
@@ -171,6 +172,8 @@ class PrioritizedTieredBuffer(TieredBuffer):
             live = (seqs >= self._first) & (seqs < self._pushed)
             if len(self._holes):
                 live &= ~np.isin(seqs, self._holes)
+            if self._times is not None:  # used up: gone, like the evicted
+                live &= self._times[seqs % self.total_capacity] < self.max_times_sampled
             if live.any():
                 slots = seqs[live] % self.total_capacity
                 if self._persisted:
@@ -188,7 +191,9 @@ class PrioritizedTieredBuffer(TieredBuffer):
     def _draw(self, rng: np.random.Generator, batch_size: int) -> tuple[np.ndarray, dict]:
         tree, total = self._tree, self._tree.total
         if not total > 0:  # every priority is zero: nothing is more likely than anything
-            return super()._draw(rng, batch_size)
+            seqs, _ = super()._draw(rng, batch_size)
+            return seqs, {"weights": np.ones(batch_size, np.float32),
+                          "indices": seqs.astype(np.int64)}
         prefix = rng.random(batch_size)
         prefix *= total
         leaves, values = tree.find_values(prefix)
