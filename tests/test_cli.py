@@ -15,6 +15,8 @@ import grpc
 import numpy as np
 import pytest
 
+import millpond
+from millpond.api import PrioritizedHandle
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc
 from millpond.wire.codec import encode_batch
@@ -80,6 +82,37 @@ def test_toml_buffers_exist_at_start(tmp_path, toml_file):
         assert at.record_nbytes == 84 * 84 * 4 + 8 + 4
 
 
+def test_toml_buffers_take_sampling_options(tmp_path):
+    path = tmp_path / "sampling.toml"
+    path.write_text("""
+[[buffers]]
+name = "work"
+capacity = 100
+mode = "queue"
+[buffers.fields]
+job = { dtype = "int64" }
+
+[[buffers]]
+name = "learner"
+hot_capacity = 10
+total_capacity = 100
+obs_dim = 2
+act_dim = 1
+max_times_sampled = 4
+prioritized = { alpha = 0.7, beta = 0.5 }
+rate_limiter = { samples_per_insert = 8.0, min_size_to_sample = 20, error_buffer = [10, 200] }
+""")
+    with ServerProcess(tmp_path / "data", "--config", str(path)) as srv:
+        client = millpond.connect(srv.address)
+        assert client.buffer("work").info()["mode"] == "queue"
+        learner = client.buffer("learner")
+        info = learner.info()
+        assert info["max_times_sampled"] == 4
+        assert millpond.RateLimiter.from_dict(info["rate_limiter"]) == \
+            millpond.SampleToInsertRatio(8.0, 20, (10, 200))
+        assert isinstance(learner, PrioritizedHandle)
+
+
 @pytest.mark.parametrize("text,needle", [
     ("[[buffers]\nname = 'x'", "invalid TOML"),
     ("[[buffers]]\ncapacity = 10\nobs_dim = 1\nact_dim = 1", "missing 'name'"),
@@ -94,6 +127,11 @@ def test_toml_buffers_exist_at_start(tmp_path, toml_file):
      "unknown keys ['colour']"),
     ("[[buffers]]\nname = 'x'\ncapacity = 1\nobs_dim = 1\nact_dim = 1\n"
      "[[buffers]]\nname = 'x'\ncapacity = 1\nobs_dim = 1\nact_dim = 1", "duplicate"),
+    ("[[buffers]]\nname = 'x'\ncapacity = 10\nobs_dim = 1\nact_dim = 1\nmode = 'ring'", "mode"),
+    ("[[buffers]]\nname = 'x'\ncapacity = 10\nobs_dim = 1\nact_dim = 1\n"
+     "rate_limiter = { error_buffer = 3 }", "error_buffer needs samples_per_insert"),
+    ("[[buffers]]\nname = 'x'\ncapacity = 10\nobs_dim = 1\nact_dim = 1\n"
+     "rate_limiter = { samples_per_insert = -1.0, error_buffer = 3 }", "samples_per_insert"),
 ])
 def test_bad_config_exits_2_with_a_clear_message(tmp_path, text, needle):
     path = tmp_path / "bad.toml"
@@ -187,7 +225,8 @@ def test_info_prints_an_aligned_table(tmp_path, toml_file):
         result = run_cli("info", "--address", srv.address)
         assert result.returncode == 0, result.stderr
         lines = result.stdout.splitlines()
-        assert lines[0].split() == ["NAME", "SIZE", "HOT/TOTAL", "PUSHED", "RECORD_BYTES", "FIELDS"]
+        assert lines[0].split() == ["NAME", "SIZE", "HOT/TOTAL", "PUSHED", "SAMPLED",
+                                    "SAMPLES/INSERT", "WAITING", "RECORD_BYTES", "FIELDS"]
         assert [line.split()[0] for line in lines[1:]] == ["atari", "cartpole"]
         atari = next(line for line in lines if line.startswith("atari"))
         assert "50/50" in atari and "28,236" in atari

@@ -147,7 +147,8 @@ def _recover_and_declare(registry: Registry, cfg: ServeConfig) -> None:
     recovered = registry.recover()
     log.info("recovery done", extra={"kv": {"buffers": recovered}})
     for spec in cfg.buffers:
-        registry.create(spec.name, spec.schema, spec.hot_capacity, spec.total_capacity)
+        registry.create(spec.name, spec.schema, spec.hot_capacity, spec.total_capacity,
+                        spec.prioritized, spec.sampling)
 
 
 class PeriodicSync(threading.Thread):

@@ -103,14 +103,17 @@ def _fields_text(config) -> str:
 
 
 def format_table(buffers) -> str:
-    header = ("NAME", "SIZE", "HOT/TOTAL", "PUSHED", "RECORD_BYTES", "FIELDS")
+    header = ("NAME", "SIZE", "HOT/TOTAL", "PUSHED", "SAMPLED", "SAMPLES/INSERT", "WAITING",
+              "RECORD_BYTES", "FIELDS")
     rows = [
         (b.name, f"{b.size:,}", f"{b.config.hot_capacity:,}/{b.config.total_capacity:,}",
-         f"{b.pushed:,}", f"{b.record_nbytes:,}", _fields_text(b.config))
+         f"{b.pushed:,}", f"{b.samples:,}", f"{b.samples_per_insert:.2f}",
+         f"{b.waiting_inserts + b.waiting_samples:,}", f"{b.record_nbytes:,}",
+         _fields_text(b.config))
         for b in buffers
     ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    right = {1, 2, 3, 4}  # numbers align right
+    right = set(range(1, len(header) - 1))  # numbers align right
 
     def line(row):
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]

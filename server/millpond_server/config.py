@@ -16,6 +16,13 @@ The optional TOML file declares buffers to create at start-up::
     [buffers.fields]
     obs = { dtype = "uint8", shape = [84, 84, 4] }
     action = { dtype = "int64" }    # shape defaults to [] (a scalar)
+
+Optional per buffer, as in the client's ``create_buffer``: ``mode = "queue"``
+(or ``"stack"``), ``max_times_sampled = N``, ``prioritized = { alpha = 0.6,
+beta = 0.4 }``, and ``rate_limiter = { samples_per_insert = 4.0,
+min_size_to_sample = 1000, error_buffer = 100 }`` (``error_buffer`` may be
+``[min_diff, max_diff]``; without ``samples_per_insert`` it is
+``MinSize(min_size_to_sample)``).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from millpond.core import Schema
+from millpond.core.buffer import check_sampling
+from millpond.core.ratelimit import MinSize, RateLimiter, SampleToInsertRatio
 from millpond.errors import InvalidConfigError
 
 ENV_PREFIX = "MILLPOND_"
@@ -45,6 +54,8 @@ class BufferSpec:
     schema: Schema
     hot_capacity: int
     total_capacity: int
+    prioritized: tuple[float, float] | None = None  # (alpha, beta)
+    sampling: tuple = ("replay", None, None)  # (mode, max_times_sampled, rate_limiter)
 
 
 @dataclass(frozen=True)
@@ -222,7 +233,8 @@ def resolve_serve_config(args: argparse.Namespace, environ=os.environ) -> ServeC
 
 # ---- TOML -------------------------------------------------------------------
 
-_BUFFER_KEYS = {"name", "hot_capacity", "total_capacity", "capacity", "obs_dim", "act_dim", "fields"}
+_BUFFER_KEYS = {"name", "hot_capacity", "total_capacity", "capacity", "obs_dim", "act_dim", "fields",
+                "mode", "max_times_sampled", "prioritized", "rate_limiter"}
 
 
 def load_buffers(path: Path) -> list[BufferSpec]:
@@ -296,9 +308,40 @@ def _buffer_spec(table: dict, where: str) -> BufferSpec:
             if obs is None or act is None:
                 raise ConfigError(f"{where}: needs obs_dim and act_dim, or a [buffers.fields] table")
             schema = Schema.transition(obs, act)
-    except InvalidConfigError as exc:
+        sampling = check_sampling(table.get("mode", "replay"), table.get("max_times_sampled"),
+                                  _rate_limiter(table.get("rate_limiter"), where), total)
+        prioritized = _prioritized(table.get("prioritized"), where)
+    except (InvalidConfigError, TypeError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    return BufferSpec(name, schema, hot, total)
+    return BufferSpec(name, schema, hot, total, prioritized, sampling)
+
+
+def _rate_limiter(spec: Any, where: str) -> RateLimiter | None:
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or set(spec) - {"samples_per_insert", "min_size_to_sample",
+                                                 "error_buffer"}:
+        raise ConfigError(f"{where}: rate_limiter must be {{ samples_per_insert, "
+                          f"min_size_to_sample, error_buffer }}, got {spec!r}")
+    min_size = spec.get("min_size_to_sample", 1)
+    if "samples_per_insert" not in spec:
+        if "error_buffer" in spec:
+            raise ConfigError(f"{where}: rate_limiter: error_buffer needs samples_per_insert")
+        return MinSize(min_size)
+    error_buffer = spec.get("error_buffer")
+    if error_buffer is None:
+        raise ConfigError(f"{where}: rate_limiter: samples_per_insert needs error_buffer")
+    if isinstance(error_buffer, list):
+        error_buffer = tuple(error_buffer)
+    return SampleToInsertRatio(spec["samples_per_insert"], min_size, error_buffer)
+
+
+def _prioritized(spec: Any, where: str) -> tuple[float, float] | None:
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or set(spec) - {"alpha", "beta"}:
+        raise ConfigError(f"{where}: prioritized must be {{ alpha, beta }}, got {spec!r}")
+    return spec.get("alpha", 0.6), spec.get("beta", 0.4)
 
 
 def _fields(fields: Any, where: str) -> dict[str, tuple[str, tuple[int, ...]]]:
