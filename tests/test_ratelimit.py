@@ -161,7 +161,7 @@ def test_concurrent_actors_and_learners_hold_the_ratio_within_its_band():
 def test_closing_the_buffer_releases_its_waiters():
     buf = TieredBuffer(SCHEMA, 10, 10, rate_limiter=millpond.MinSize(5))
     waiter = Background(lambda: buf.sample(1, timeout=60))
-    wait_until(lambda: buf._rate.waiting["sample"] == 1)
+    wait_until(lambda: buf.info()["waiting_samples"] == 1)
     buf.close()
     with pytest.raises(BufferClosedError):
         waiter.outcome()

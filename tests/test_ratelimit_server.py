@@ -7,7 +7,6 @@ the transport matters) over the shared-memory fast path.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import signal
 import subprocess
 import sys
@@ -214,3 +213,29 @@ def test_sampling_config_is_part_of_the_buffer_and_survives_a_restart(tmp_path):
         fifo = client.buffer("fifo")
         assert fifo.info()["mode"] == "queue"
         assert fifo.sample(7, timeout=5)["id"].tolist() == list(range(7))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sigterm_while_calls_wait_stops_the_server_cleanly(tmp_path, transport):
+    server = ServerProcess(tmp_path / "data", "--grace", "2").start()
+    try:
+        client = connect(server, transport)
+        buf = client.create_buffer("gate", 10, fields=FIELDS, rate_limiter=millpond.MinSize(5))
+        errors: list = []
+
+        def wait():
+            try:
+                buf.sample(1, timeout=60)
+            except millpond.ReplayError as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        wait_until(lambda: buf.info()["waiting_samples"] == 1, timeout=20)
+        start = time.monotonic()
+        assert server.stop(signal.SIGTERM, timeout=30) == 0
+        assert time.monotonic() - start < 15
+        thread.join(30)
+        assert not thread.is_alive() and len(errors) == 1  # the waiter got an error, not a hang
+    finally:
+        server.stop(signal.SIGKILL)

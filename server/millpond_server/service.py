@@ -258,7 +258,7 @@ class ReplayService:
                     raise RateLimitTimeoutError(
                         f"{wait.kind} of {wait.n} records waited {loop.time() - start:.3g} s "
                         f"for the rate limiter until the call's deadline "
-                        f"({buffer._rate.describe(len(buffer))}); pass a longer timeout")
+                        f"({buffer.describe_rate()}); pass a longer timeout")
                 try:
                     await asyncio.wait_for(event.wait(), left)
                 except TimeoutError:

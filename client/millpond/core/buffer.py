@@ -429,7 +429,7 @@ class TieredBuffer:
                 if remaining is not None and remaining <= 0:
                     raise RateLimitTimeoutError(
                         f"{kind} timed out after {timeout:g} s waiting for the rate limiter "
-                        f"({self._rate.describe(self._size())})")
+                        f"({self.describe_rate()})")
                 if abandoned is not None:
                     remaining = every if remaining is None else min(remaining, every)
                 self._changed_cond.wait(remaining)
@@ -439,6 +439,10 @@ class TieredBuffer:
         finally:
             if timeout != 0:
                 self._rate.wait_ended(kind, time.monotonic() - start)
+
+    def describe_rate(self) -> str:
+        """The rate limiter's state in words (for timeout messages)."""
+        return self._rate.describe(self._size())
 
     def _changed(self) -> None:
         """Wake waiting pushes and samples (lock held): the state has changed."""
