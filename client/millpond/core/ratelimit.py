@@ -64,8 +64,9 @@ class RateLimiter:
     @property
     def centre(self) -> float:
         """The diff at the middle of the band (where counters restart after a reopen)."""
-        if math.isinf(self.band):
-            return self.samples_per_insert * self.min_size_to_sample
+        if math.isinf(self.band):  # unbounded on a side: where min size leaves it, within
+            at_min_size = self.samples_per_insert * self.min_size_to_sample
+            return min(max(at_min_size, self.min_diff), self.max_diff)
         return (self.min_diff + self.max_diff) / 2
 
     def check_insert(self, n: int) -> None:
