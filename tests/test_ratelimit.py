@@ -294,3 +294,21 @@ def test_all_zero_priorities_still_give_weights_and_indices():
     batch = buf.sample(5, seed=0)
     np.testing.assert_array_equal(batch["weights"], np.ones(5, np.float32))
     np.testing.assert_array_equal(batch["indices"], batch["id"])
+
+
+def test_a_reopened_buffer_restarts_its_limiter_mid_band(tmp_path):
+    limiter = millpond.SampleToInsertRatio(2.0, 5, error_buffer=6)  # diff in [4, 16]
+    path = tmp_path / "limited.buffer"
+    buf = TieredBuffer(SCHEMA, 10, 50, path, persistent=True, rate_limiter=limiter)
+    buf.push_batch(ids(0, 8))  # diff 16: pushes now wait for samples
+    with pytest.raises(RateLimitTimeoutError):
+        buf.push_batch(ids(8, 1), timeout=0)
+    buf.release()
+    again = TieredBuffer.open(path)
+    assert again.rate_limiter == limiter and again.info()["inserts"] == 0
+    assert again._rate.diff() == 10  # the middle of [4, 16]: both sides may move
+    again.push_batch(ids(8, 3), timeout=0)  # 10 + 6 = 16
+    again.sample(12, timeout=0)  # 16 - 12 = 4
+    with pytest.raises(RateLimitTimeoutError):
+        again.sample(1, timeout=0)
+    again.close()
