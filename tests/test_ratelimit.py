@@ -300,7 +300,8 @@ def test_a_reopened_buffer_restarts_its_limiter_mid_band(tmp_path):
     limiter = millpond.SampleToInsertRatio(2.0, 5, error_buffer=6)  # diff in [4, 16]
     path = tmp_path / "limited.buffer"
     buf = TieredBuffer(SCHEMA, 10, 50, path, persistent=True, rate_limiter=limiter)
-    buf.push_batch(ids(0, 8))  # diff 16: pushes now wait for samples
+    buf.push_batch(ids(0, 5))  # free up to the min size
+    buf.push_batch(ids(5, 3))  # diff 16: pushes now wait for samples
     with pytest.raises(RateLimitTimeoutError):
         buf.push_batch(ids(8, 1), timeout=0)
     buf.release()
