@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from millpond.core.buffer import abandon_waits_when, check_batch_size, check_seed, check_timeout
-from millpond.core.prioritized import PrioritizedTieredBuffer
+from millpond.core.prioritized import PrioritizedTieredBuffer, as_prioritized
 from millpond.errors import (
     InternalError,
     InvalidArgumentError,
@@ -153,6 +153,16 @@ class Session(threading.Thread):
 
     def run(self) -> None:
         try:
+            self._serve()
+        except OSError:
+            pass  # client went away (or shutdown): clean up below
+        finally:
+            self.cleanup()
+
+    def _serve(self) -> None:
+        # This thread serves only this client: any call of its that waits for
+        # a rate limiter gives up when the client hangs up.
+        with abandon_waits_when(self.peer_gone):
             while True:
                 try:
                     message, fds = protocol.recv(self.conn, protocol.SERVER_SPIN)
@@ -161,16 +171,11 @@ class Session(threading.Thread):
                     continue
                 if message is None:
                     return
-                with abandon_waits_when(self.peer_gone):  # a rate-limited call may wait
-                    reply, out_fds = self.handle(message, fds)
+                reply, out_fds = self.handle(message, fds)
                 try:
                     protocol.send(self.conn, reply, out_fds)
                 finally:
                     protocol.close_fds(out_fds)
-        except OSError:
-            pass  # client went away (or shutdown): clean up below
-        finally:
-            self.cleanup()
 
     def handle(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         """Run one request; fds that arrived with it are always closed here."""
@@ -260,9 +265,7 @@ class Session(threading.Thread):
         self._no_fds(fds)
         buffer = self._buffer(message)
         mm = self._segment(self.push_segments, message.get("segment"))
-        n = message.get("n")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise InvalidArgumentError(f"n must be a non-negative integer, got {n!r}")
+        n = _count(message)
         columns = message.get("columns")
         if not isinstance(columns, list):
             raise InvalidArgumentError("columns must be a list of [name, offset, dtype, shape]")
@@ -271,7 +274,7 @@ class Session(threading.Thread):
             name, array = self._column_view(mm, buffer.schema, entry, n)
             views[name] = array
         if "priorities" in message:  # values checked by the engine, as over gRPC
-            prioritized = _prioritized(buffer)
+            prioritized = as_prioritized(buffer)
             priorities = self._vector(mm, message["priorities"], protocol.PRIORITY_DTYPE, n,
                                       "priorities")
             prioritized.push_batch(views, priorities, timeout=_wait(message))
@@ -281,11 +284,9 @@ class Session(threading.Thread):
 
     def update_priorities(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         self._no_fds(fds)
-        buffer = _prioritized(self._buffer(message))
+        buffer = as_prioritized(self._buffer(message))
         mm = self._segment(self.push_segments, message.get("segment"))
-        n = message.get("n")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise InvalidArgumentError(f"n must be a non-negative integer, got {n!r}")
+        n = _count(message)
         indices = self._vector(mm, message.get("indices"), protocol.INDEX_DTYPE, n, "indices")
         priorities = self._vector(mm, message.get("priorities"), protocol.PRIORITY_DTYPE, n,
                                   "priorities")
@@ -293,7 +294,7 @@ class Session(threading.Thread):
 
     def set_beta(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         self._no_fds(fds)
-        buffer = _prioritized(self._buffer(message))
+        buffer = as_prioritized(self._buffer(message))
         beta = message.get("beta")
         if not isinstance(beta, float):  # the client sends floats; the engine checks the range
             raise InvalidConfigError(f"beta must be a finite number >= 0, got {beta!r}")
@@ -414,16 +415,17 @@ class Session(threading.Thread):
         self.server._ended(self)
 
 
+def _count(message: dict) -> int:
+    """The request's record count ``n``, checked."""
+    n = message.get("n")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise InvalidArgumentError(f"n must be a non-negative integer, got {n!r}")
+    return n
+
+
 def _wait(message: dict) -> float:
     """How long the call may wait for a rate limiter: the client's ``timeout`` (0 if absent)."""
     return check_timeout(message.get("timeout", 0))
-
-
-def _prioritized(buffer) -> PrioritizedTieredBuffer:
-    """The buffer if it is prioritized; else the error gRPC gives (see service.prioritized)."""
-    if not isinstance(buffer, PrioritizedTieredBuffer):
-        raise InvalidArgumentError("priorities are for prioritized buffers; this one is uniform")
-    return buffer
 
 
 def _close_map(mm: mmap.mmap) -> None:

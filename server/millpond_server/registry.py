@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 from millpond.core import Schema, TieredBuffer
-from millpond.core.buffer import check_capacities, check_sampling
-from millpond.wire.codec import DEFAULT_SAMPLING
+from millpond.core.buffer import DEFAULT_SAMPLING, check_capacities, check_sampling
 from millpond.core.prioritized import PrioritizedTieredBuffer, open_buffer
 from millpond.errors import BufferNotFoundError, ConfigMismatchError, InvalidArgumentError
 

@@ -36,7 +36,6 @@ from millpond.core import Schema, TieredBuffer
 from millpond.core.ratelimit import RateState
 from millpond.errors import (
     InternalError,
-    InvalidArgumentError,
     MessageTooLargeError,
     RateLimitTimeoutError,
     ReplayError,
@@ -44,7 +43,7 @@ from millpond.errors import (
 )
 from millpond.shm.protocol import read_boot_id
 from millpond.v1 import replay_pb2 as pb
-from millpond.core.prioritized import PrioritizedTieredBuffer
+from millpond.core.prioritized import PrioritizedTieredBuffer, as_prioritized
 from millpond.wire.codec import (
     decode_batch,
     decode_config,
@@ -186,9 +185,8 @@ class _Waiters:
 
     def add_stats(self, info: dict) -> None:
         """Add these waits to a buffer's ``info()``."""
-        for key, value in self.stats.stats().items():
-            if "wait" in key:
-                info[key] += value
+        for key, value in self.stats.wait_stats().items():
+            info[key] += value
 
     def changed(self) -> None:
         if self.count:
@@ -197,12 +195,6 @@ class _Waiters:
     def _wake(self) -> None:
         self.event.set()
         self.event = asyncio.Event()
-
-
-def prioritized(buffer: TieredBuffer) -> PrioritizedTieredBuffer:
-    if not isinstance(buffer, PrioritizedTieredBuffer):
-        raise InvalidArgumentError("priorities are for prioritized buffers; this one is uniform")
-    return buffer
 
 
 # ---- the service --------------------------------------------------------------------
@@ -302,20 +294,20 @@ class ReplayService:
     @staticmethod
     def _push_columns(buffer: TieredBuffer, columns: dict, priorities) -> pb.PushReply:
         if len(priorities):
-            prioritized(buffer).push_batch(columns, priorities, timeout=0)
+            as_prioritized(buffer).push_batch(columns, priorities, timeout=0)
         else:
             buffer.push_batch(columns, timeout=0)
         return pb.PushReply(size=len(buffer), pushed=buffer.pushed)
 
     async def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest,
                                context) -> pb.UpdatePrioritiesReply:
-        buffer = prioritized(self.registry.get(request.name))
+        buffer = as_prioritized(self.registry.get(request.name))
         updated = await self._run(buffer.update_priorities, list(request.indices),
                                   list(request.priorities))
         return pb.UpdatePrioritiesReply(updated=updated)
 
     async def SetBeta(self, request: pb.SetBetaRequest, context) -> pb.SetBetaReply:
-        prioritized(self.registry.get(request.name)).set_beta(request.beta)
+        as_prioritized(self.registry.get(request.name)).set_beta(request.beta)
         return pb.SetBetaReply()
 
     async def Sample(self, request: pb.SampleRequest, context) -> bytes:

@@ -42,6 +42,9 @@ from .sumtree import SumTree
 from .tier import Tier
 
 MODES = ("replay", "queue", "stack")
+# How a buffer samples: (mode, max_times_sampled or None, rate limiter or None).
+Sampling = tuple[str, "int | None", "RateLimiter | None"]
+DEFAULT_SAMPLING: Sampling = ("replay", None, None)
 # The slot array of a persistent buffer with max_times_sampled: draws so far.
 COUNT_ARRAYS = {"times_sampled": "<u4"}
 
@@ -75,7 +78,7 @@ def check_capacities(hot_capacity: Any, total_capacity: Any) -> tuple[int, int]:
 
 
 def check_sampling(mode: Any, max_times_sampled: Any, rate_limiter: Any,
-                   total_capacity: int) -> tuple[str, int | None, RateLimiter | None]:
+                   total_capacity: int) -> Sampling:
     """Validate how a buffer is sampled; return ``(mode, max_times_sampled, rate_limiter)``.
 
     ``queue`` and ``stack`` remove what they return and default to a
@@ -263,8 +266,7 @@ class TieredBuffer:
             self._times = stored if stored is not None else np.zeros(self.total_capacity,
                                                                      np.uint32)
         self._removed = 0
-        if not hasattr(self, "_tree"):  # a prioritized buffer brings its own
-            self._tree = SumTree(self.total_capacity) if max_times_sampled else None
+        self._tree = SumTree(self.total_capacity) if max_times_sampled else None
 
     # ---- sizes --------------------------------------------------------------
 
@@ -274,7 +276,7 @@ class TieredBuffer:
         return self._file.path if self._file else None
 
     @property
-    def sampling(self) -> tuple[str, int | None, RateLimiter | None]:
+    def sampling(self) -> Sampling:
         """``(mode, max_times_sampled, rate_limiter)``, as :func:`check_sampling` returns."""
         return self.mode, self.max_times_sampled, self.rate_limiter
 
@@ -357,7 +359,7 @@ class TieredBuffer:
             self.rate_limiter.check_insert(n)
         with self._lock:
             self._check_open()
-            if n:
+            if n and self.rate_limiter is not None:
                 self._await("insert", lambda: self._rate.can_insert(n, self._size()), timeout)
             self._append(n, batch, extra)
             self._rate.inserts += n
@@ -501,9 +503,11 @@ class TieredBuffer:
             self.rate_limiter.check_sample(batch_size)
         with self._lock:
             self._check_open()
-            if self.rate_limiter is None and batch_size > self._size():
-                raise NotEnoughDataError(f"batch_size {batch_size} > buffer len {self._size()}")
-            self._await("sample", lambda: self._sample_ready(batch_size), timeout)
+            if self.rate_limiter is None:
+                if batch_size > self._size():
+                    raise NotEnoughDataError(f"batch_size {batch_size} > buffer len {self._size()}")
+            else:
+                self._await("sample", lambda: self._sample_ready(batch_size), timeout)
             if self.mode != "replay":
                 result = self._pop(batch_size, out)
             else:

@@ -214,6 +214,13 @@ class PrioritizedTieredBuffer(TieredBuffer):
         return seqs, {"weights": weights.astype(np.float32), "indices": seqs.copy()}
 
 
+def as_prioritized(buffer: TieredBuffer) -> PrioritizedTieredBuffer:
+    """``buffer`` if it is prioritized, else InvalidArgumentError (priorities on a uniform buffer)."""
+    if not isinstance(buffer, PrioritizedTieredBuffer):
+        raise InvalidArgumentError("priorities are for prioritized buffers; this one is uniform")
+    return buffer
+
+
 def open_buffer(path, **kwargs: Any) -> TieredBuffer:
     """Reopen a persistent buffer file as the kind of buffer it was created as."""
     prioritized = BufferFile.peek(str(path)).get("prioritized")

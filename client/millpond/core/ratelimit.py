@@ -181,8 +181,9 @@ class RateState:
         if lim is None:
             return f"{size} records held"
         return (f"{size} records held, min size to sample {lim.min_size_to_sample}; "
-                f"{self.inserts} inserts x {lim.samples_per_insert:g} - {self.samples} samples "
-                f"= diff {self.diff():g}, allowed band [{lim.min_diff:g}, {lim.max_diff:g}]")
+                f"{self.inserts} inserts x {lim.samples_per_insert:g} - {self.samples} samples"
+                + (f" + {self.offset:g} from before the reopen" if self.offset else "")
+                + f" = diff {self.diff():g}, allowed band [{lim.min_diff:g}, {lim.max_diff:g}]")
 
     def wait_started(self, kind: str) -> None:
         self.waiting[kind] += 1
@@ -193,14 +194,21 @@ class RateState:
         self.waited[kind] += seconds
 
     def stats(self) -> dict[str, Any]:
+        """Counters, the current ratio, and :meth:`wait_stats`."""
         return {
             "inserts": self.inserts,
             "samples": self.samples,
+            "samples_per_insert": self.samples / self.inserts if self.inserts else 0.0,
+            **self.wait_stats(),
+        }
+
+    def wait_stats(self) -> dict[str, Any]:
+        """Finished waits, their total seconds, and the calls waiting now."""
+        return {
             "insert_waits": self.waits["insert"],
             "sample_waits": self.waits["sample"],
             "insert_wait_seconds": self.waited["insert"],
             "sample_wait_seconds": self.waited["sample"],
             "waiting_inserts": self.waiting["insert"],
             "waiting_samples": self.waiting["sample"],
-            "samples_per_insert": self.samples / self.inserts if self.inserts else 0.0,
         }

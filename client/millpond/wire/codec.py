@@ -13,14 +13,12 @@ from typing import Mapping
 
 import numpy as np
 
+from ..core.buffer import DEFAULT_SAMPLING, Sampling
 from ..core.ratelimit import RateLimiter
 from ..core.schema import Schema, plain_dtype
 from ..errors import DTypeMismatchError, InvalidConfigError, ShapeMismatchError
 from ..v1 import replay_pb2 as pb
 
-# How a buffer samples: (mode, max_times_sampled or None, rate limiter or None).
-Sampling = tuple[str, "int | None", "RateLimiter | None"]
-DEFAULT_SAMPLING: Sampling = ("replay", None, None)
 
 
 def encode_batch(columns: Mapping[str, np.ndarray]) -> pb.Batch:
