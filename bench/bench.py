@@ -30,8 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import millpond  # noqa: E402
-from millpond.core import Schema, TieredBuffer  # noqa: E402
-from millpond.core.prioritized import PrioritizedTieredBuffer  # noqa: E402
+from millpond.core import BufferConfig, Prioritized, Schema, TieredBuffer  # noqa: E402
 from support import ServerProcess  # noqa: E402
 
 SAMPLE_BATCH = 256
@@ -45,6 +44,9 @@ class Workload:
     push_batch: int  # records per push_batch call
     hot: int
     total: int
+
+    def config(self, **sampling) -> BufferConfig:
+        return BufferConfig(self.schema, self.hot, self.total, **sampling)
 
     def batch(self, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
         out = {}
@@ -205,7 +207,7 @@ def throughput_table(server: ServerProcess, tmp: Path, quick: bool, seconds: flo
     results = {}
     for w in workloads(quick):
         ring = NumpyRing(w.schema, w.total)
-        local = TieredBuffer(w.schema, w.hot, w.total, tmp / f"{w.name}.cold")
+        local = TieredBuffer(w.config(), tmp / f"{w.name}.buffer")
         grpc_buf = grpc_client.create_buffer(f"bench-{w.name}", hot_capacity=w.hot,
                                              total_capacity=w.total, fields=w.schema)
         shm_buf = shm_client.buffer(f"bench-{w.name}")
@@ -350,8 +352,8 @@ def prioritized_section(tmp: Path, quick: bool, seconds: float) -> None:
     """Prioritized sample(256) and update_priorities(256) beside uniform sampling (in-process)."""
     print("\nPrioritized replay, in-process (target: sample >= 0.5x uniform)")
     for w in workloads(quick):
-        uniform = TieredBuffer(w.schema, w.hot, w.total, tmp / f"u-{w.name}.cold")
-        prio = PrioritizedTieredBuffer(w.schema, w.hot, w.total, tmp / f"p-{w.name}.cold")
+        uniform = TieredBuffer(w.config(), tmp / f"u-{w.name}.buffer")
+        prio = TieredBuffer(w.config(prioritized=Prioritized()), tmp / f"p-{w.name}.buffer")
         batch = w.batch(w.push_batch, np.random.default_rng(3))
         for _ in range(w.total // w.push_batch):
             uniform.push_batch(batch)

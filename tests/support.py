@@ -95,3 +95,13 @@ def without_stats(info: dict) -> dict:
     from millpond.core.ratelimit import RateState
 
     return {k: v for k, v in info.items() if k not in RateState(None).stats()}
+
+
+def engine(schema, hot: int, total: int, path=None, *, persistent: bool = False,
+           sync_every_push: bool = False, **sampling):
+    """An engine buffer: ``sampling`` holds the config's keywords (mode,
+    max_times_sampled, rate_limiter, prioritized=True with alpha and beta)."""
+    from millpond.core import BufferConfig, TieredBuffer
+
+    config = BufferConfig.build(hot_capacity=hot, total_capacity=total, fields=schema, **sampling)
+    return TieredBuffer(config, path, persistent=persistent, sync_every_push=sync_every_push)

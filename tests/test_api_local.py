@@ -353,7 +353,7 @@ def test_replay_buffer_is_ram_only_fifo():
     buf = millpond.ReplayBuffer(8, OBS, ACT)
     try:
         info = buf.info()
-        assert info["cold_path"] is None
+        assert info["path"] is None
         assert info["hot_capacity"] == info["total_capacity"] == 8
         for i in range(5):
             buf.push(**rec(i))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from millpond.batching import PushBatcher
-from millpond.core import Schema, TieredBuffer
+from millpond.core import Schema
 from millpond.errors import (
     BufferClosedError,
     DTypeMismatchError,
@@ -26,7 +26,7 @@ from millpond.errors import (
     ServerUnavailableError,
     ShapeMismatchError,
 )
-from support import wait_until
+from support import engine, wait_until
 
 DEADLINE = 10.0
 THREAD_NAME = "millpond-push-batcher"
@@ -130,7 +130,7 @@ def test_values_match_coerce_record_on_the_slow_path(sink):
 
 
 def test_sends_into_a_real_tiered_buffer():
-    buf = TieredBuffer(SCHEMA, 100, 100)
+    buf = engine(SCHEMA, 100, 100)
     with PushBatcher(SCHEMA, buf.push_batch, max_records=16, max_delay=None) as b:
         for i in range(40):
             b.add(rec(i))
@@ -158,7 +158,7 @@ def test_age_triggered_send_without_further_adds(sink):
 
 
 def test_age_send_into_a_real_tiered_buffer():
-    buf = TieredBuffer(SCHEMA, 100, 100)
+    buf = engine(SCHEMA, 100, 100)
     b = PushBatcher(SCHEMA, buf.push_batch, max_records=64, max_delay=0.01)
     for i in range(5):
         b.add(rec(i))

@@ -38,7 +38,7 @@ from hypothesis.stateful import (
 
 import millpond
 from millpond.core import Schema, TieredBuffer
-from support import without_stats
+from support import engine, without_stats
 
 FIELDS = {
     "id": ("float64", ()),
@@ -104,7 +104,7 @@ class BufferMachine(RuleBasedStateMachine):
             )
             self.engine = self.buf._backend
         else:
-            self.buf = TieredBuffer(SCHEMA, hot, self.total, self.cold_path, persistent=persistent)
+            self.buf = engine(SCHEMA, hot, self.total, self.cold_path, persistent=persistent)
             self.engine = self.buf
         self.pushed = 0  # the model: records 0..pushed-1, live = the last `total`
         assert os.path.exists(self.cold_path) == (extra > 0 or persistent)
@@ -165,7 +165,7 @@ class BufferMachine(RuleBasedStateMachine):
         out = {}
         for seq in self.live:
             is_hot = seq >= hot_lo
-            tier = self.engine._hot if is_hot else self.engine._cold
+            tier = self.engine._fifo.hot if is_hot else self.engine._fifo.cold
             slot = seq % tier.capacity
             row = tuple(np.asarray(tier.columns[name][slot]).tolist() for name in FIELDS)
             out[seq] = (is_hot, int(tier.seq[slot]), row)

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import millpond
-from millpond.api import PrioritizedHandle
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc
 from millpond.wire.codec import encode_batch
@@ -74,8 +73,8 @@ def test_toml_buffers_exist_at_start(tmp_path, toml_file):
         assert (cp.config.hot_capacity, cp.config.total_capacity) == (100, 1000)
         assert [f.name for f in cp.config.fields] == [
             "obs", "next_obs", "actions", "rewards", "terminated", "truncated"]
-        assert cp.cold_path == str(tmp_path / "data" / "cartpole.buffer")
-        assert os.path.exists(cp.cold_path)
+        assert cp.path == "cartpole.buffer"
+        assert os.path.exists(tmp_path / "data" / cp.path)
         assert (at.config.hot_capacity, at.config.total_capacity) == (50, 50)
         assert {f.name: (f.dtype, list(f.shape)) for f in at.config.fields} == {
             "obs": ("|u1", [84, 84, 4]), "action": ("<i8", []), "reward": ("<f4", [])}
@@ -110,7 +109,7 @@ rate_limiter = { samples_per_insert = 8.0, min_size_to_sample = 20, error_buffer
         assert info["max_times_sampled"] == 4
         assert millpond.RateLimiter.from_dict(info["rate_limiter"]) == \
             millpond.SampleToInsertRatio(8.0, 20, (10, 200))
-        assert isinstance(learner, PrioritizedHandle)
+        assert isinstance(learner, millpond.PrioritizedBuffer)
 
 
 @pytest.mark.parametrize("text,needle", [
@@ -120,7 +119,9 @@ rate_limiter = { samples_per_insert = 8.0, min_size_to_sample = 20, error_buffer
     ("[[buffers]]\nname = 'x'\nobs_dim = 1\nact_dim = 1", "total_capacity"),
     ("[[buffers]]\nname = 'x'\ncapacity = 10\nobs_dim = 1", "obs_dim and act_dim"),
     ("[[buffers]]\nname = 'x'\nhot_capacity = 20\ncapacity = 10\nobs_dim = 1\nact_dim = 1",
-     "hot_capacity (20) > total_capacity (10)"),
+     "give capacity= or hot_capacity=/total_capacity=, not both"),
+    ("[[buffers]]\nname = 'x'\nhot_capacity = 20\ntotal_capacity = 10\nobs_dim = 1\nact_dim = 1",
+     "total_capacity (10) must be >= hot_capacity (20)"),
     ("[[buffers]]\nname = 'x'\ncapacity = 10\n[buffers.fields]\nobs = { dtype = 'object' }",
      "dtype"),
     ("[[buffers]]\nname = 'x'\ncapacity = 10\ncolour = 'red'\nobs_dim = 1\nact_dim = 1",
@@ -179,7 +180,7 @@ def test_env_vars_are_honoured_and_flags_win(tmp_path, toml_file):
         assert srv.address.startswith("127.0.0.1:") and not srv.address.endswith(":1")
         buffers = list_buffers(srv.address)
         assert set(buffers) == {"cartpole", "atari"}
-        assert buffers["cartpole"].cold_path.startswith(str(tmp_path / "data"))
+        assert (tmp_path / "data" / buffers["cartpole"].path).exists()
         assert not (tmp_path / "env-dir").exists()
         with grpc.insecure_channel(srv.address) as channel:
             stub = replay_pb2_grpc.ReplayStub(channel)

@@ -159,7 +159,7 @@ def test_close_removes_file(tmp_path):
 
 def test_default_cold_path_is_a_temp_file_removed_on_close():
     b = millpond.MmapReplayBuffer(2, 5, 2, 1)
-    path = b.info()["cold_path"]
+    path = b.info()["path"]
     assert path and os.path.isfile(path)
     assert os.path.dirname(os.path.abspath(path)) == os.path.abspath(tempfile.gettempdir())
     meta, _ = read_header(path)
@@ -176,8 +176,8 @@ def test_no_cold_tier_makes_no_file(tmp_path):
     r = millpond.ReplayBuffer(4, 2, 1)
     try:
         assert not path.exists()
-        assert a.info()["cold_path"] is None and b.info()["cold_path"] is None
-        assert r.info()["cold_path"] is None
+        assert a.info()["path"] is None and b.info()["path"] is None
+        assert r.info()["path"] is None
         assert set(os.listdir(tempfile.gettempdir())) - before == set()
     finally:
         a.close()

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import millpond
 from millpond.core import Schema, TieredBuffer
-from support import ServerProcess
+from support import ServerProcess, engine
 from test_contract import transitions
 
 # Records that carry their own identity and checksum, so a crash test can tell
@@ -183,7 +183,7 @@ def test_in_process_persistent_buffer_reopens_and_refuses_mismatches(tmp_path):
 
 def test_damaged_files_are_refused_clearly(tmp_path):
     path = tmp_path / "b.buffer"
-    TieredBuffer(Schema.transition(2, 1), 3, 10, path, persistent=True).release()
+    engine(Schema.transition(2, 1), 3, 10, path, persistent=True).release()
     raw = bytearray(path.read_bytes())
 
     def reopen(data: bytes):
@@ -198,7 +198,7 @@ def test_damaged_files_are_refused_clearly(tmp_path):
     with pytest.raises(millpond.CorruptFileError, match="truncated"):
         reopen(bytes(raw[: len(raw) // 2]))
     not_persistent = tmp_path / "plain.cold"
-    plain = TieredBuffer(Schema.transition(2, 1), 3, 10, not_persistent)  # file exists while open
+    plain = engine(Schema.transition(2, 1), 3, 10, not_persistent)  # file exists while open
     with pytest.raises(millpond.CorruptFileError, match="non-persistent"):
         TieredBuffer.open(not_persistent)
     plain.release()  # not persistent: releasing deletes the useless file
@@ -242,7 +242,7 @@ def flip_byte(path, field: str, slot: int, hot: bool) -> None:
 @pytest.mark.parametrize("hot", [False, True], ids=["cold", "hot"])
 def test_a_flipped_byte_is_found_and_can_be_skipped(tmp_path, hot):
     path = tmp_path / "b.buffer"
-    buf = TieredBuffer(Schema.from_spec(CRASH_FIELDS), 10, 60, path, persistent=True)
+    buf = engine(Schema.from_spec(CRASH_FIELDS), 10, 60, path, persistent=True)
     buf.push_batch(crash_records(1, 0, 40))  # seqs 30..39 hot (slots 0..9), 0..29 cold
     buf.release()
     flip_byte(path, "payload", slot=3, hot=hot)  # seq 33 (hot) or 3 (cold)
@@ -250,13 +250,13 @@ def test_a_flipped_byte_is_found_and_can_be_skipped(tmp_path, hot):
     with pytest.raises(millpond.CorruptFileError, match=rf"1 of 40 live records fail.*\[{bad_seq}\]"):
         TieredBuffer.open(path)
     survivor = TieredBuffer.open(path, skip_corrupt=True)
-    assert survivor.damaged == 1 and len(survivor) == 39
+    assert survivor.info().damaged == 1 and len(survivor) == 39
     records = survivor.contents()
     assert valid(records).all() and bad_seq not in records["seq"].tolist()
     for seed in range(20):  # the damaged record is never served
         assert bad_seq not in survivor.sample(39, seed=seed)["seq"].tolist()
     survivor.push_batch(crash_records(1, 40, 60))  # pushing on evicts it with the others
-    assert survivor.damaged == 0 and len(survivor) == 60
+    assert survivor.info().damaged == 0 and len(survivor) == 60
     survivor.release()
 
 
@@ -279,7 +279,7 @@ def test_the_daemon_names_damage_and_skip_corrupt_serves_the_rest(tmp_path):
 
 def test_reopening_reports_progress_as_it_checks(tmp_path):
     path = tmp_path / "big.buffer"
-    buf = TieredBuffer(Schema.transition(4, 1), 1_000, 300_000, path, persistent=True)
+    buf = engine(Schema.transition(4, 1), 1_000, 300_000, path, persistent=True)
     buf.push_batch(transitions(0, 300_000, obs_dim=4))
     buf.release()
     seen = []
@@ -293,7 +293,7 @@ def test_reopening_reports_progress_as_it_checks(tmp_path):
 def test_health_is_not_serving_until_recovery_is_done(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    big = TieredBuffer(Schema.transition(4, 1), 1_000, 4_000_000, data / "big.buffer",
+    big = engine(Schema.transition(4, 1), 1_000, 4_000_000, data / "big.buffer",
                        persistent=True)
     for i in range(20):  # 4M records: checking them takes a noticeable moment
         big.push_batch(transitions(i * 200_000, 200_000, obs_dim=4))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -9,10 +10,10 @@ import pytest
 
 import millpond
 from millpond.core import TieredBuffer
+from millpond.core import bufferfile
 from millpond.core.bufferfile import BufferFile
-from millpond.core.prioritized import PrioritizedTieredBuffer, open_buffer
 from millpond.core.sumtree import SumTree
-from support import ServerProcess
+from support import ServerProcess, engine
 
 
 def tiered(tmp_path, alpha=1.0, beta=1.0, hot=5, total=20):
@@ -119,8 +120,8 @@ ID_SCHEMA = millpond.Schema.from_spec({"id": ("float64", ())})
 
 
 def persistent(path, alpha=1.0, beta=1.0, hot=4, total=12):
-    return PrioritizedTieredBuffer(ID_SCHEMA, hot, total, path, persistent=True,
-                                   alpha=alpha, beta=beta)
+    return engine(ID_SCHEMA, hot, total, path, persistent=True, prioritized=True,
+                  alpha=alpha, beta=beta)
 
 
 def push_records(buf, start, n, priorities=None):
@@ -150,21 +151,21 @@ def test_priorities_and_updates_survive_release_and_open(tmp_path):
     sampled = buf.sample(8, seed=1)["indices"]
     assert buf.update_priorities(sampled, np.arange(8) * 2.5 + 0.1) == 8
     buf.push({"id": 99.0})  # no priority given: the largest seen so far
-    expected, max_priority = batches(buf), buf.max_priority
+    expected, max_priority = batches(buf), buf.info().max_priority
     buf.release()
 
-    again = open_buffer(path)
-    assert isinstance(again, PrioritizedTieredBuffer) and (again.alpha, again.beta) == (0.7, 0.5)
-    assert again.max_priority == max_priority
+    again = TieredBuffer.open(path)
+    assert again.config.prioritized == millpond.Prioritized(alpha=0.7)
+    assert again.info().beta == 0.5 and again.info().max_priority == max_priority
     assert_equal_batches(batches(again), expected)  # records, weights and indices
     # updates after reopening are kept too, on the records they name
     live = np.arange(again.pushed - len(again), again.pushed)
     assert again.update_priorities(live, np.where(live == live[3], 50.0, 1.0)) == len(again)
     expected = batches(again)
     again.release()
-    third = open_buffer(path)
+    third = TieredBuffer.open(path)
     assert_equal_batches(batches(third), expected)
-    assert third.max_priority == 50.0
+    assert third.info().max_priority == 50.0
     got = np.bincount(np.concatenate([b["indices"] for b in batches(third, range(200))]))
     assert got.argmax() == live[3]
     third.close()
@@ -176,12 +177,12 @@ def test_slots_of_evicted_records_carry_their_new_records_priorities(tmp_path):
     push_records(buf, 0, 4, [100.0, 100.0, 1.0, 1.0])
     push_records(buf, 4, 2, [1.0, 3.0])  # seqs 4 and 5 take the slots of 0 and 1
     buf.release()
-    again = open_buffer(path)
+    again = TieredBuffer.open(path)
     batch = again.sample(4, seed=0)
     # alpha = beta = 1: the weight is p_min / p, whoever holds the slot
     np.testing.assert_allclose(batch["weights"], 1.0 / np.array([1.0, 1.0, 1.0, 3.0])[
         batch["indices"] - 2], rtol=1e-6)
-    assert again.max_priority == 3.0  # the largest live one: the 100s are gone
+    assert again.info().max_priority == 3.0  # the largest live one: the 100s are gone
     again.close()
 
 
@@ -205,8 +206,8 @@ def test_a_damaged_stored_priority_comes_back_as_the_max_priority(tmp_path, dama
         else:
             f.seek(priority_at + 8 * 2)
             f.write(struct.pack("<d", {"nan": np.nan, "negative": -3.0, "inf": np.inf}[damage]))
-    again = open_buffer(path)
-    assert again.max_priority == 6.0  # the largest sound live priority
+    again = TieredBuffer.open(path)
+    assert again.info().max_priority == 6.0  # the largest sound live priority
     weights = {}
     for batch in batches(again, range(40), n=6):
         weights.update(zip(batch["indices"].tolist(), batch["weights"].tolist()))
@@ -230,9 +231,9 @@ def test_damaged_records_stay_out_and_the_others_keep_their_priorities(tmp_path)
     with open(path, "r+b") as f:  # record 4 (hot slot 0): its checksum no longer matches
         f.seek(offset + 8 * (4 % 4))
         f.write(struct.pack("<d", 123.0))
-    again = open_buffer(path, skip_corrupt=True)
-    assert again.damaged == 1 and len(again) == 5
-    assert again.max_priority == 6.0  # record 4's 9.0 is not live any more
+    again = TieredBuffer.open(path, skip_corrupt=True)
+    assert again.info().damaged == 1 and len(again) == 5
+    assert again.info().max_priority == 6.0  # record 4's 9.0 is not live any more
     drawn = {}
     for batch in batches(again, range(60), n=5):
         drawn.update(zip(batch["indices"].tolist(), batch["weights"].tolist()))
@@ -247,33 +248,46 @@ def test_zero_priorities_stay_zero_and_skipped_records_stay_out(tmp_path):
     buf = persistent(path)
     push_records(buf, 0, 5, [0.0, 1.0, 0.0, 2.0, 0.5])
     buf.release()
-    again = open_buffer(path)
+    again = TieredBuffer.open(path)
     drawn = np.concatenate([b["indices"] for b in batches(again, range(50))])
     assert set(drawn.tolist()) == {1, 3, 4}
-    assert again.max_priority == 2.0
+    assert again.info().max_priority == 2.0
     again.close()
+
+
+def add_to_header(path, **meta):
+    """Add keys to a buffer file's JSON metadata, in place (as an older version wrote it)."""
+    with open(path, "r+b") as f:
+        magic, version, header, length = bufferfile._PREFIX.unpack(f.read(bufferfile._PREFIX.size))
+        f.seek(bufferfile._JSON_OFFSET)
+        blob = json.dumps({**json.loads(f.read(length)), **meta}).encode()
+        assert bufferfile._JSON_OFFSET + len(blob) <= header
+        f.seek(0)
+        f.write(bufferfile._PREFIX.pack(magic, version, header, len(blob)))
+        f.seek(bufferfile._JSON_OFFSET)
+        f.write(blob)
 
 
 def test_files_without_stored_priorities_still_open_at_priority_one(tmp_path):
     """A file written before priorities were persisted: no slot arrays."""
     path = tmp_path / "old.buf"
-    old = TieredBuffer(ID_SCHEMA, 4, 12, path, persistent=True,
-                       file_meta={"prioritized": {"alpha": 0.6, "beta": 0.4}})
+    old = engine(ID_SCHEMA, 4, 12, path, persistent=True)
     push_records(old, 0, 8)
     old.release()
+    add_to_header(path, prioritized={"alpha": 0.6, "beta": 0.4})
     assert "slot_arrays" not in BufferFile.peek(str(path))
-    buf = open_buffer(path)
-    assert isinstance(buf, PrioritizedTieredBuffer) and len(buf) == 8
+    buf = TieredBuffer.open(path)
+    assert buf.config.prioritized == millpond.Prioritized(0.6) and len(buf) == 8
     np.testing.assert_allclose(buf.sample(8, seed=0)["weights"], 1.0)
     push_records(buf, 8, 2, [4.0, 4.0])  # works, kept in RAM only
     assert buf.update_priorities([0], [9.0]) == 1
-    assert buf.max_priority == 9.0
+    assert buf.info().max_priority == 9.0
     buf.release()
-    np.testing.assert_allclose(open_buffer(path).sample(8, seed=0)["weights"], 1.0)
+    np.testing.assert_allclose(TieredBuffer.open(path).sample(8, seed=0)["weights"], 1.0)
 
 
 def test_non_persistent_buffers_keep_priorities_in_ram_only(tmp_path):
-    buf = PrioritizedTieredBuffer(ID_SCHEMA, 4, 12, tmp_path / "cold.buf")
+    buf = engine(ID_SCHEMA, 4, 12, tmp_path / "cold.buf", prioritized=True)
     assert "slot_arrays" not in BufferFile.peek(str(tmp_path / "cold.buf"))
     push_records(buf, 0, 12, np.arange(1.0, 13.0))
     assert buf.sample(4, seed=0)["weights"].max() <= 1.0
@@ -304,7 +318,7 @@ def test_remote_prioritized_buffer_matches_the_in_process_one(shared_server, tmp
     np.testing.assert_array_equal(local.sample(16, seed=11)["weights"],
                                   remote.sample(16, seed=11)["weights"])
     again = millpond.connect(shared_server.address).buffer("prio-match")
-    assert isinstance(again, millpond.api.PrioritizedHandle) and len(again) == len(local)
+    assert isinstance(again, millpond.PrioritizedBuffer) and len(again) == len(local)
     remote.close()
 
 
@@ -327,7 +341,7 @@ def test_a_prioritized_buffer_stays_prioritized_across_restarts(tmp_path):
         before = buf.sample(10, seed=0)
     with ServerProcess(tmp_path / "data") as server:
         again = millpond.connect(server.address).buffer("kept")
-        assert isinstance(again, millpond.api.PrioritizedHandle) and len(again) == 10
+        assert isinstance(again, millpond.PrioritizedBuffer) and len(again) == 10
         batch = again.sample(10, seed=0)
         assert {"weights", "indices"} <= batch.keys()
         # the priorities survived the restart: the same seed draws the same batch
@@ -365,8 +379,7 @@ def assert_same_batches(bufs, batch: int, seeds) -> None:
 def test_prioritized_over_shm_equals_grpc_and_in_process(shared_server, tmp_path):
     local, shm, grpc, shm_client = three_ways(tmp_path, shared_server.address, "prio-3way")
     assert shm_client.transport == "shm"
-    session = shm_client.connection.session
-    before = session.served.copy()
+    before = shm_client.calls
     rng = np.random.default_rng(7)
     for buf in (local, shm, grpc):
         push_ids(buf, 0, 25, np.linspace(0.5, 5.0, 25))  # 5 evicted, 15 cold, 5 hot
@@ -381,9 +394,10 @@ def test_prioritized_over_shm_equals_grpc_and_in_process(shared_server, tmp_path
         for buf in (local, shm, grpc):
             buf.set_beta(0.4 + 0.2 * step)
     assert_same_batches((local, shm, grpc), 20, range(10, 16))
-    served = session.served - before  # the shm client really used the fast path
-    assert served["push"] >= 3 and served["update_priorities"] == 4 and served["set_beta"] == 4
-    assert served["sample"] == 6 + 4 + 6
+    calls = shm_client.calls - before  # the shm client really used the fast path
+    assert calls["shm", "push_batch"] >= 3 and calls["shm", "update_priorities"] == 4
+    assert calls["shm", "set_beta"] == 4 and calls["shm", "sample"] == 6 + 4 + 6
+    assert not [key for key in calls if key[0] != "shm"]
 
 
 def test_shm_weights_and_indices_are_views_like_the_columns(shared_server, tmp_path):
@@ -419,7 +433,7 @@ def test_prioritized_errors_over_shm_are_the_grpc_ones(shared_server, tmp_path):
     _, shm, grpc, _ = three_ways(tmp_path, shared_server.address, "prio-errors")
     uniforms = [millpond.connect(shared_server.address, shm=use_shm).create_buffer(
         "prio-errors-uniform", capacity=10, obs_dim=2, act_dim=1) for use_shm in (True, False)]
-    assert uniforms[0]._backend._client.transport == "shm"
+    assert uniforms[0]._backend._client.transport == "shm"  # noqa: SLF001
     for buf in (shm, grpc):
         push_ids(buf, 0, 3)
         with pytest.raises(millpond.InvalidConfigError, match="beta"):

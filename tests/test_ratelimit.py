@@ -15,7 +15,6 @@ import pytest
 
 import millpond
 from millpond.core import Schema, TieredBuffer
-from millpond.core.prioritized import PrioritizedTieredBuffer
 from millpond.errors import (
     BufferClosedError,
     DeadlineExceededError,
@@ -23,7 +22,7 @@ from millpond.errors import (
     InvalidConfigError,
     RateLimitTimeoutError,
 )
-from support import wait_until
+from support import engine, wait_until
 
 SCHEMA = Schema.from_spec({"id": ("int64", ())})
 
@@ -59,7 +58,7 @@ class Background(threading.Thread):
 
 
 def test_min_size_makes_samples_wait_until_enough_records_arrive():
-    buf = TieredBuffer(SCHEMA, 100, 100, rate_limiter=millpond.MinSize(10))
+    buf = engine(SCHEMA, 100, 100, rate_limiter=millpond.MinSize(10))
     buf.push_batch(ids(0, 5))
     waiter = Background(lambda: buf.sample(4, timeout=20))
     wait_until(lambda: buf.info()["waiting_samples"] == 1)
@@ -72,7 +71,7 @@ def test_min_size_makes_samples_wait_until_enough_records_arrive():
 
 
 def test_a_sample_that_times_out_changes_nothing():
-    buf = TieredBuffer(SCHEMA, 100, 100, rate_limiter=millpond.MinSize(10))
+    buf = engine(SCHEMA, 100, 100, rate_limiter=millpond.MinSize(10))
     buf.push_batch(ids(0, 3))
     before = buf.contents()
     start = time.monotonic()
@@ -89,7 +88,7 @@ def test_a_sample_that_times_out_changes_nothing():
 def test_pushes_wait_when_actors_run_ahead_of_learners():
     limiter = millpond.SampleToInsertRatio(samples_per_insert=2.0, min_size_to_sample=4,
                                            error_buffer=8)  # diff in [0, 16]
-    buf = TieredBuffer(SCHEMA, 100, 100, rate_limiter=limiter)
+    buf = engine(SCHEMA, 100, 100, rate_limiter=limiter)
     buf.push_batch(ids(0, 4))  # free until min size: diff 8
     buf.push_batch(ids(4, 4))  # diff 16: at the top of the band
     with pytest.raises(RateLimitTimeoutError):
@@ -104,7 +103,7 @@ def test_pushes_wait_when_actors_run_ahead_of_learners():
 
 def test_samples_wait_when_learners_run_ahead_of_actors():
     limiter = millpond.SampleToInsertRatio(1.0, 2, error_buffer=2)  # diff in [0, 4]
-    buf = TieredBuffer(SCHEMA, 100, 100, rate_limiter=limiter)
+    buf = engine(SCHEMA, 100, 100, rate_limiter=limiter)
     buf.push_batch(ids(0, 2))
     buf.sample(2)  # diff 0
     with pytest.raises(RateLimitTimeoutError):
@@ -120,7 +119,7 @@ def test_samples_wait_when_learners_run_ahead_of_actors():
 def test_concurrent_actors_and_learners_hold_the_ratio_within_its_band():
     limiter = millpond.SampleToInsertRatio(samples_per_insert=4.0, min_size_to_sample=64,
                                            error_buffer=200)
-    buf = TieredBuffer(SCHEMA, 1000, 5000, rate_limiter=limiter)
+    buf = engine(SCHEMA, 1000, 5000, rate_limiter=limiter)
     stop = threading.Event()
     snapshots = []
 
@@ -159,7 +158,7 @@ def test_concurrent_actors_and_learners_hold_the_ratio_within_its_band():
 
 
 def test_closing_the_buffer_releases_its_waiters():
-    buf = TieredBuffer(SCHEMA, 10, 10, rate_limiter=millpond.MinSize(5))
+    buf = engine(SCHEMA, 10, 10, rate_limiter=millpond.MinSize(5))
     waiter = Background(lambda: buf.sample(1, timeout=60))
     wait_until(lambda: buf.info()["waiting_samples"] == 1)
     buf.close()
@@ -169,7 +168,7 @@ def test_closing_the_buffer_releases_its_waiters():
 
 def test_requests_that_could_never_pass_are_refused_at_once():
     limiter = millpond.SampleToInsertRatio(1.0, 1, error_buffer=(0, 10))
-    buf = TieredBuffer(SCHEMA, 100, 100, rate_limiter=limiter)
+    buf = engine(SCHEMA, 100, 100, rate_limiter=limiter)
     with pytest.raises(InvalidArgumentError, match="band"):
         buf.push_batch(ids(0, 11), timeout=60)
     assert len(buf) == 0 and buf.info()["inserts"] == 0
@@ -186,12 +185,12 @@ def test_requests_that_could_never_pass_are_refused_at_once():
     lambda: millpond.SampleToInsertRatio(1.0, 1, -1),
     lambda: millpond.SampleToInsertRatio(1.0, 1, (5, 1)),
     lambda: millpond.RateLimiter(float("nan"), 1),
-    lambda: TieredBuffer(SCHEMA, 10, 10, mode="ring"),
-    lambda: TieredBuffer(SCHEMA, 10, 10, mode="queue", max_times_sampled=2),
-    lambda: TieredBuffer(SCHEMA, 10, 10, max_times_sampled=-1),
-    lambda: TieredBuffer(SCHEMA, 10, 10, rate_limiter="fast"),
+    lambda: engine(SCHEMA, 10, 10, mode="ring"),
+    lambda: engine(SCHEMA, 10, 10, mode="queue", max_times_sampled=2),
+    lambda: engine(SCHEMA, 10, 10, max_times_sampled=-1),
+    lambda: engine(SCHEMA, 10, 10, rate_limiter="fast"),
     lambda: millpond.PrioritizedReplayBuffer(10, obs_dim=1, act_dim=1, rate_limiter=object()),
-    lambda: PrioritizedTieredBuffer(SCHEMA, 10, 10, mode="stack"),
+    lambda: engine(SCHEMA, 10, 10, mode="stack", prioritized=True),
 ])
 def test_impossible_sampling_configs_are_refused(make):
     with pytest.raises(InvalidConfigError):
@@ -258,7 +257,7 @@ def test_sampling_config_and_stats_are_in_info():
 
 def test_draw_counts_of_a_persistent_buffer_survive_a_reopen(tmp_path):
     path = tmp_path / "counted.buffer"
-    buf = TieredBuffer(SCHEMA, 4, 12, path, persistent=True, max_times_sampled=2)
+    buf = engine(SCHEMA, 4, 12, path, persistent=True, max_times_sampled=2)
     buf.push_batch(ids(0, 12))
     for seed in range(4):
         buf.sample(3, seed=seed)
@@ -266,7 +265,7 @@ def test_draw_counts_of_a_persistent_buffer_survive_a_reopen(tmp_path):
     assert len(before) < 12  # some are used up
     buf.release()
     again = TieredBuffer.open(path)
-    assert again.max_times_sampled == 2 and again.contents()["id"].tolist() == before
+    assert again.config.max_times_sampled == 2 and again.contents()["id"].tolist() == before
     drawn, seed = [], 0
     while len(again):  # draw what is left, one at a time
         drawn.append(int(again.sample(1, seed=seed)["id"][0]))
@@ -279,7 +278,7 @@ def test_draw_counts_of_a_persistent_buffer_survive_a_reopen(tmp_path):
 
 
 def test_prioritized_records_used_up_stay_gone(tmp_path):
-    buf = PrioritizedTieredBuffer(SCHEMA, 10, 10, max_times_sampled=1, alpha=1.0)
+    buf = engine(SCHEMA, 10, 10, max_times_sampled=1, prioritized=True, alpha=1.0)
     buf.push_batch(ids(0, 10), priorities=np.arange(1, 11))
     batch = buf.sample(4, seed=1)
     assert len(set(batch["id"].tolist())) == 4 and len(buf) == 6
@@ -289,7 +288,7 @@ def test_prioritized_records_used_up_stay_gone(tmp_path):
 
 
 def test_all_zero_priorities_still_give_weights_and_indices():
-    buf = PrioritizedTieredBuffer(SCHEMA, 10, 10)
+    buf = engine(SCHEMA, 10, 10, prioritized=True)
     buf.push_batch(ids(0, 5), priorities=np.zeros(5))
     batch = buf.sample(5, seed=0)
     np.testing.assert_array_equal(batch["weights"], np.ones(5, np.float32))
@@ -299,16 +298,16 @@ def test_all_zero_priorities_still_give_weights_and_indices():
 def test_a_reopened_buffer_restarts_its_limiter_mid_band(tmp_path):
     limiter = millpond.SampleToInsertRatio(2.0, 5, error_buffer=6)  # diff in [4, 16]
     path = tmp_path / "limited.buffer"
-    buf = TieredBuffer(SCHEMA, 10, 50, path, persistent=True, rate_limiter=limiter)
+    buf = engine(SCHEMA, 10, 50, path, persistent=True, rate_limiter=limiter)
     buf.push_batch(ids(0, 5))  # free up to the min size
     buf.push_batch(ids(5, 3))  # diff 16: pushes now wait for samples
     with pytest.raises(RateLimitTimeoutError):
         buf.push_batch(ids(8, 1), timeout=0)
     buf.release()
     again = TieredBuffer.open(path)
-    assert again.rate_limiter == limiter and again.info()["inserts"] == 0
-    assert again._rate.diff() == 10  # the middle of [4, 16]: both sides may move
-    again.push_batch(ids(8, 3), timeout=0)  # 10 + 6 = 16
+    assert again.config.rate_limiter == limiter and again.info()["inserts"] == 0
+    # The diff restarts at 10, the middle of [4, 16], so both sides may move:
+    again.push_batch(ids(8, 3), timeout=0)  # 10 + 6 = 16 (from 11 or more it would wait)
     again.sample(12, timeout=0)  # 16 - 12 = 4
     with pytest.raises(RateLimitTimeoutError):
         again.sample(1, timeout=0)

@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from millpond.core import Schema, TieredBuffer
 from millpond.errors import InvalidArgumentError, NotEnoughDataError, RateLimitTimeoutError
+from support import engine
 
 SCHEMA = Schema.from_spec({"id": ("int64", ()), "twice": ("float32", (2,))})
 
@@ -55,7 +56,7 @@ class QueueMachine(RuleBasedStateMachine):
     def setup(self, mode, hot, extra, persistent):
         self.mode, self.total, self.persistent = mode, hot + extra, persistent
         self.path = os.path.join(self.tmpdir, "q.buffer")
-        self.buf = TieredBuffer(SCHEMA, hot, self.total, self.path, persistent=persistent,
+        self.buf = engine(SCHEMA, hot, self.total, self.path, persistent=persistent,
                                 mode=mode)
         self.model: list[int] = []
         self.next_id = 0
@@ -98,7 +99,7 @@ class QueueMachine(RuleBasedStateMachine):
     def release_and_reopen(self):
         self.buf.release()
         self.buf = TieredBuffer.open(self.path)
-        assert self.buf.mode == self.mode and self.buf.rate_limiter is not None
+        assert self.buf.config.mode == self.mode and self.buf.config.rate_limiter is not None
 
     @invariant()
     def contents_match(self):
@@ -120,7 +121,7 @@ class MaxTimesMachine(RuleBasedStateMachine):
     def setup(self, hot, extra, limit, persistent):
         self.total, self.limit, self.persistent = hot + extra, limit, persistent
         self.path = os.path.join(self.tmpdir, "m.buffer")
-        self.buf = TieredBuffer(SCHEMA, hot, self.total, self.path, persistent=persistent,
+        self.buf = engine(SCHEMA, hot, self.total, self.path, persistent=persistent,
                                 max_times_sampled=limit)
         self.slots: list[int] = []  # ids in the FIFO, used up or not: eviction takes slots
         self.left: dict[int, int] = {}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import millpond
-from millpond.core import Schema, TieredBuffer
+from millpond.core import Schema
 from millpond.errors import (
     BufferClosedError,
     InvalidArgumentError,
@@ -22,7 +22,7 @@ from millpond.errors import (
     NotEnoughDataError,
 )
 from millpond.sampler import THREAD_NAME, Sampler
-from support import wait_until
+from support import engine, wait_until
 
 DEADLINE = 10.0
 SCHEMA = Schema.transition(4, 1)
@@ -45,7 +45,7 @@ def _ignore_older_threads():
 
 @pytest.fixture
 def tiered():
-    buf = TieredBuffer(SCHEMA, 100, 100)
+    buf = engine(SCHEMA, 100, 100)
     n = 100
     buf.push_batch({
         "obs": np.arange(n * 4, dtype=np.float32).reshape(n, 4),

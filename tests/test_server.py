@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from millpond.core import Schema
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc
-from millpond.wire.codec import decode_batch, encode_batch, encode_config
+from millpond.core import BufferConfig
+from millpond.wire.codec import config_to_proto, decode_batch, encode_batch
 from millpond.wire.status import ERROR_CODE_KEY
 from support import ServerProcess
 
@@ -42,8 +43,9 @@ def name(request):
 
 
 def create(stub, name, schema=SCHEMA, hot=4, total=10):
-    return stub.Create(pb.CreateRequest(name=name, config=encode_config(schema, hot, total)),
-                       timeout=TIMEOUT)
+    """Create (or attach to) ``name``; return its BufferInfo message."""
+    config = config_to_proto(BufferConfig(schema, hot, total))
+    return stub.Create(pb.CreateRequest(name=name, config=config), timeout=TIMEOUT).info
 
 
 def transitions(n, start=0, obs_dim=3, act_dim=2):
@@ -94,8 +96,8 @@ def test_create_then_attach_same_config(stub, shared_server, name):
     first = create(stub, name, hot=4, total=10)
     assert first.name == name and first.size == 0
     assert first.config.hot_capacity == 4 and first.config.total_capacity == 10
-    assert first.cold_path == str(shared_server.data_dir / f"{name}.buffer")
-    assert os.path.exists(first.cold_path)
+    assert first.path == f"{name}.buffer"  # relative to the data directory
+    assert os.path.exists(shared_server.data_dir / first.path)
     push_batch(stub, name, transitions(3))
     again = create(stub, name, hot=4, total=10)  # attach: data kept
     assert again.size == 3 and again.pushed == 3
@@ -118,8 +120,10 @@ def test_create_rejects_bad_names(stub, bad):
 
 @pytest.mark.parametrize("hot,total", [(0, 10), (10, 5), (-1, 3)])
 def test_create_rejects_bad_capacities(stub, name, hot, total):
-    expect_error(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_CONFIG", create, stub, name,
-                 hot=hot, total=total)
+    config = config_to_proto(BufferConfig(SCHEMA, 4, 10))
+    config.hot_capacity, config.total_capacity = hot, total  # as a hostile client may send
+    expect_error(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_CONFIG", stub.Create,
+                 pb.CreateRequest(name=name, config=config), timeout=TIMEOUT)
     expect_error(grpc.StatusCode.NOT_FOUND, "BUFFER_NOT_FOUND", info, stub, name)
 
 
@@ -200,13 +204,13 @@ def test_info_and_list(stub, name):
     push_batch(stub, name, transitions(6))
     i = info(stub, name)
     assert (i.size, i.pushed, i.hot_size, i.cold_size) == (4, 6, 4, 0)
-    assert i.record_nbytes == SCHEMA.record_nbytes and i.cold_path.endswith(".buffer")
+    assert i.record_nbytes == SCHEMA.record_nbytes and i.path == f"{name}.buffer"
     listed = {b.name: b for b in stub.List(pb.ListRequest(), timeout=TIMEOUT).buffers}
     assert listed[name] == i
 
 
-def test_close_deletes_cold_file(stub, name):
-    path = create(stub, name, hot=2, total=6).cold_path
+def test_close_deletes_cold_file(stub, shared_server, name):
+    path = shared_server.data_dir / create(stub, name, hot=2, total=6).path
     push_batch(stub, name, transitions(5))
     assert os.path.exists(path)
     stub.Close(pb.CloseRequest(name=name), timeout=TIMEOUT)
@@ -388,7 +392,7 @@ def test_sigterm_during_traffic_exits_zero_and_cleans_up(tmp_path):
         done, failures = [], []
         with grpc.insecure_channel(srv.address) as channel:
             stub = replay_pb2_grpc.ReplayStub(channel)
-            path = create(stub, "busy", hot=100, total=5000).cold_path
+            path = srv.data_dir / create(stub, "busy", hot=100, total=5000).path
 
             def traffic():
                 with grpc.insecure_channel(srv.address) as ch:

@@ -3,74 +3,61 @@
 In-process::
 
     buf = millpond.MmapReplayBuffer(10_000, 1_000_000, obs_dim=4, act_dim=1,
-                                    cold_path="/tmp/replay.cold")
+                                    cold_path="/tmp/replay.buffer")
 
 Remote (same methods, same results, same exceptions)::
 
     buf = millpond.MmapReplayBuffer(10_000, 1_000_000, obs_dim=4, act_dim=1,
                                     address="localhost:50051", name="cartpole")
+
+Exports are loaded on first use, so that ``import millpond.core`` (the
+daemon does) does not pull in the client library.
 """
 
-from .api import Buffer, MmapReplayBuffer, PrioritizedReplayBuffer, ReplayBuffer
-from .client import Client, connect
-from .core import Field, Schema
-from .core.ratelimit import MinSize, Queue, RateLimiter, SampleToInsertRatio
-from .errors import (
-    BufferClosedError,
-    BufferNotFoundError,
-    ConfigMismatchError,
-    CorruptFileError,
-    DeadlineExceededError,
-    DTypeMismatchError,
-    FieldMismatchError,
-    InternalError,
-    InvalidArgumentError,
-    InvalidBatchSizeError,
-    InvalidConfigError,
-    MessageTooLargeError,
-    NotEnoughDataError,
-    RateLimitTimeoutError,
-    ReplayError,
-    ServerUnavailableError,
-    ShapeMismatchError,
-    StorageIOError,
-    SharedMemoryError,
-    StorageFullError,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Buffer",
-    "BufferClosedError",
-    "BufferNotFoundError",
-    "Client",
-    "ConfigMismatchError",
-    "CorruptFileError",
-    "DTypeMismatchError",
-    "DeadlineExceededError",
-    "Field",
-    "FieldMismatchError",
-    "InternalError",
-    "InvalidArgumentError",
-    "InvalidBatchSizeError",
-    "InvalidConfigError",
-    "MessageTooLargeError",
-    "MinSize",
-    "MmapReplayBuffer",
-    "NotEnoughDataError",
-    "PrioritizedReplayBuffer",
-    "Queue",
-    "RateLimitTimeoutError",
-    "RateLimiter",
-    "ReplayBuffer",
-    "ReplayError",
-    "SampleToInsertRatio",
-    "Schema",
-    "ServerUnavailableError",
-    "ShapeMismatchError",
-    "SharedMemoryError",
-    "StorageFullError",
-    "StorageIOError",
-    "connect",
-]
+# Public name -> the module that defines it.
+_EXPORTS = {
+    **dict.fromkeys(("MmapReplayBuffer", "PrioritizedReplayBuffer", "ReplayBuffer"), "api"),
+    **dict.fromkeys(("Buffer", "PrioritizedBuffer"), "handle"),
+    **dict.fromkeys(("Client", "connect"), "client"),
+    **dict.fromkeys(("BufferConfig", "BufferInfo", "Field", "Prioritized", "Schema"), "core"),
+    **dict.fromkeys(("MinSize", "Queue", "RateLimiter", "SampleToInsertRatio"), "core.ratelimit"),
+    **dict.fromkeys((
+        "BufferClosedError", "BufferNotFoundError", "ConfigMismatchError", "CorruptFileError",
+        "DTypeMismatchError", "DeadlineExceededError", "FieldMismatchError", "InternalError",
+        "InvalidArgumentError", "InvalidBatchSizeError", "InvalidConfigError",
+        "MessageTooLargeError", "NotEnoughDataError", "RateLimitTimeoutError", "ReplayError",
+        "ServerStartingError", "ServerUnavailableError", "ShapeMismatchError",
+        "SharedMemoryError", "StorageFullError", "StorageIOError",
+    ), "errors"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'millpond' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # the next lookup does not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # what static checkers and IDEs see
+    from .api import MmapReplayBuffer, PrioritizedReplayBuffer, ReplayBuffer  # noqa: F401
+    from .client import Client, connect  # noqa: F401
+    from .core import BufferConfig, BufferInfo, Field, Prioritized, Schema  # noqa: F401
+    from .core.ratelimit import MinSize, Queue, RateLimiter, SampleToInsertRatio  # noqa: F401
+    from .errors import *  # noqa: F401,F403
+    from .handle import Buffer, PrioritizedBuffer  # noqa: F401

@@ -5,36 +5,32 @@
     buf.push_batch(obs, next_obs, actions, rewards, terminated, truncated)
     batch = buf.sample(256)
 
-Every call carries a deadline (``timeout`` seconds). Keepalive pings every
-few seconds notice a dead server or a dead network path within
+Every call carries a deadline (``timeout`` seconds) and waits, within it, for
+a server that is not up yet or still recovering its buffers. Keepalive pings
+every few seconds notice a dead server or a dead network path within
 ``keepalive_time + keepalive_timeout`` instead of the TCP default of minutes.
 
 A :class:`Client` (and every buffer handle it returns) pickles as its address
-and settings, and opens its gRPC channel lazily per process: handles made
+and settings, and opens its connection lazily per process: handles made
 before ``fork`` or passed to ``spawn``-ed actors work in the child.
 """
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
+from collections import Counter
 from typing import Any, Mapping
 
-import grpc
-
-from .api import Buffer, PrioritizedHandle
-from .core.buffer import check_capacities, check_sampling
+from .core.config import BufferConfig
+from .core.info import BufferInfo
 from .core.ratelimit import RateLimiter
 from .core.schema import Schema
-from .errors import InvalidConfigError, SharedMemoryError
-from .malloc import tune_malloc_for_large_messages
-from .shm.protocol import read_boot_id
-from .shm.session import ShmSession
-from .wire.status import error_from_rpc
-from .remote import RemoteBuffer, info_to_dict, translate_rpc_errors
-from .v1 import replay_pb2 as pb
-from .v1 import replay_pb2_grpc as pb_grpc
-from .wire.codec import decode_config, decode_prioritized, encode_config
+from .errors import InvalidConfigError
+from .handle import Buffer, handle_for
+from .remote import RemoteBuffer
+from .transport import Connection
 
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_MESSAGE_MB = 512
@@ -42,6 +38,8 @@ DEFAULT_PUSH_BATCH_SIZE = 256
 DEFAULT_PUSH_MAX_DELAY = 0.05
 KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
+# Connections a forked child inherited from its parent (see Client.connection).
+_INHERITED: list = []
 
 
 def connect(
@@ -54,6 +52,10 @@ def connect(
     push_max_delay: float | None = DEFAULT_PUSH_MAX_DELAY,
 ) -> "Client":
     """A client for the server at ``address`` ("host:port"). Connects lazily.
+
+    ``timeout``: the deadline of every call, in seconds. A push or sample
+    may also wait for the buffer's rate limiter: up to its own ``timeout=``
+    argument (default: this one), with this deadline on top.
 
     ``shm``: "auto" (default) moves bulk data through shared memory when the
     server is on this host and admits this user, else silently over gRPC;
@@ -70,7 +72,7 @@ def connect(
 
 
 class Client:
-    """A connection to one millpond server."""
+    """A connection to one millpond server; see :func:`connect`."""
 
     def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT,
                  max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, shm: bool | str = "auto",
@@ -82,13 +84,13 @@ class Client:
             raise InvalidConfigError(f"shm must be True, False or 'auto', got {shm!r}")
         if not isinstance(push_batch_size, int) or push_batch_size < 1:
             raise InvalidConfigError(f"push_batch_size must be >= 1, got {push_batch_size!r}")
+        if not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
+            raise InvalidConfigError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+        self.address = address
+        self.timeout = float(timeout)
         self.shm = shm
         self.push_batch_size = push_batch_size
         self.push_max_delay = push_max_delay
-        if not timeout > 0:
-            raise InvalidConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
-        self.address = address
-        self.timeout = float(timeout)
         self.max_message_bytes = int(max_message_mb) * 1024 * 1024
         self._lock = threading.Lock()
         self._connection: Connection | None = None
@@ -101,27 +103,41 @@ class Client:
         return (_rebuild_client, (self.address, settings))
 
     @property
-    def stub(self) -> pb_grpc.ReplayStub:
-        """The generated stub (for the small control calls)."""
-        return self.connection.stub
-
-    @property
-    def connection(self) -> "Connection":
-        """This process's gRPC connection, (re)created in each process that uses it."""
+    def connection(self) -> Connection:
+        """This process's connection, (re)created in each process that uses it."""
         if self._pid != os.getpid():
             with self._lock:
                 if self._pid != os.getpid():
                     # A channel inherited through fork belongs to the parent's
-                    # gRPC threads; never touch it here, just open our own.
-                    self._connection = Connection(self.address, self._options(),
-                                                  self.shm, self.timeout)
+                    # gRPC threads: never touch it here, not even to close it
+                    # (keep it from the garbage collector), and open our own.
+                    if self._connection is not None:
+                        _INHERITED.append(self._connection)
+                    self._connection = Connection(self.address, self._options(), self.shm,
+                                                  self.timeout, self.max_message_bytes)
                     self._pid = os.getpid()
+        assert self._connection is not None
         return self._connection
 
     @property
     def transport(self) -> str:
         """"shm" when bulk data moves through shared memory, else "grpc"."""
         return self.connection.transport
+
+    @property
+    def calls(self) -> Counter[tuple[str, str]]:
+        """Bulk calls this process made, by ``(transport, op)``, e.g. ``("shm", "sample")``."""
+        return self.connection.calls.copy()
+
+    def budget(self, timeout: float | None) -> tuple[float, float]:
+        """``(wait, deadline)`` of a call given its ``timeout=`` argument (checked).
+
+        ``wait``: seconds the server may wait for the buffer's rate limiter
+        (``timeout``, or this client's timeout if None); ``deadline``: the
+        whole call's, ``wait`` plus this client's timeout for the rest.
+        """
+        wait = self.timeout if timeout is None else timeout
+        return wait, wait + self.timeout
 
     def _options(self) -> list[tuple[str, Any]]:
         return [
@@ -136,7 +152,6 @@ class Client:
 
     # ---- buffers --------------------------------------------------------------
 
-    @translate_rpc_errors
     def create_buffer(
         self,
         name: str,
@@ -156,37 +171,49 @@ class Client:
     ) -> Buffer:
         """Create the buffer ``name``, or attach to it if it exists with this config.
 
-        Arguments are those of the in-process classes: ``capacity`` (RAM only,
-        like ``ReplayBuffer``) or ``hot_capacity`` + ``total_capacity`` (like
+        Arguments are those of the in-process classes (see
+        :meth:`millpond.BufferConfig.build`): ``capacity`` (RAM only, like
+        ``ReplayBuffer``) or ``hot_capacity`` + ``total_capacity`` (like
         ``MmapReplayBuffer``), and ``obs_dim``/``act_dim`` or ``fields``.
         ``prioritized=True`` makes a proportional prioritized buffer with
         ``alpha`` and ``beta`` (see :class:`millpond.PrioritizedReplayBuffer`).
         ``mode``, ``max_times_sampled`` and ``rate_limiter``: see
         :class:`millpond.ReplayBuffer`. An existing buffer with another config
         raises ConfigMismatchError.
+
+        The handle's ``close()`` deletes the buffer if this call created it;
+        if it attached, ``close()`` only releases the handle.
         """
-        schema = Schema.resolve(obs_dim, act_dim, fields)
-        hot, total = check_capacities(*_capacities(capacity, hot_capacity, total_capacity))
-        sampling = check_sampling(mode, max_times_sampled, rate_limiter, total)
-        config = encode_config(schema, hot, total, (alpha, beta) if prioritized else None,
-                               sampling)
-        request = pb.CreateRequest(name=name, config=config)
-        reply = self.stub.Create(request, timeout=self.timeout)
-        return self._handle(reply)
+        config = BufferConfig.build(
+            capacity=capacity, hot_capacity=hot_capacity, total_capacity=total_capacity,
+            obs_dim=obs_dim, act_dim=act_dim, fields=fields, mode=mode,
+            max_times_sampled=max_times_sampled, rate_limiter=rate_limiter,
+            prioritized=prioritized, alpha=alpha, beta=beta)
+        return handle_for(self.remote_buffer(name, config))
 
-    @translate_rpc_errors
+    def remote_buffer(self, name: str, config: BufferConfig) -> RemoteBuffer:
+        """Create ``name`` with ``config`` (or attach to it): the backend of a handle."""
+        info, created = self.connection.grpc.create(name, config, self.timeout)
+        return RemoteBuffer(self, name, info.config, owner=created)
+
     def buffer(self, name: str) -> Buffer:
-        """Attach to the existing buffer ``name`` (BufferNotFoundError if none)."""
-        return self._handle(self.stub.Info(pb.InfoRequest(name=name), timeout=self.timeout))
+        """Attach to the existing buffer ``name`` (BufferNotFoundError if none).
 
-    @translate_rpc_errors
-    def list_buffers(self) -> list[dict[str, Any]]:
+        The handle's ``close()`` releases it; ``delete()`` deletes the buffer.
+        """
+        info = self.connection.grpc.info(name, self.timeout)
+        return handle_for(RemoteBuffer(self, name, info.config))
+
+    def list_buffers(self) -> list[BufferInfo]:
         """Info of every buffer on the server."""
-        reply = self.stub.List(pb.ListRequest(), timeout=self.timeout)
-        return [info_to_dict(info) for info in reply.buffers]
+        return self.connection.grpc.list(self.timeout)
+
+    def delete_buffer(self, name: str) -> None:
+        """Delete the buffer ``name`` and its file (BufferNotFoundError if none)."""
+        self.connection.grpc.delete(name, self.timeout)
 
     def close(self) -> None:
-        """Close the channel (buffers stay on the server). Idempotent."""
+        """Close the connection (buffers stay on the server). Idempotent."""
         with self._lock:
             if self._connection is not None and self._pid == os.getpid():
                 self._connection.close()
@@ -201,98 +228,6 @@ class Client:
 
     def __repr__(self) -> str:
         return f"Client({self.address!r}, timeout={self.timeout})"
-
-    def _handle(self, info: pb.BufferInfo) -> Buffer:
-        schema, hot, total = decode_config(info.config)
-        remote = RemoteBuffer(self, info.name, schema, hot, total,
-                              prioritized=decode_prioritized(info.config) is not None)
-        return PrioritizedHandle(remote) if remote.prioritized else Buffer(remote)
-
-
-class Connection:
-    """One process's channel, its call objects and, when negotiated, its fast path.
-
-    The bulk calls bypass the generated message classes: PushBatch requests
-    and Sample replies travel as bytes framed by :mod:`millpond.wire.frames`,
-    which copies column data once instead of three times.
-    """
-
-    def __init__(self, address: str, options: list[tuple[str, Any]], shm: bool | str,
-                 timeout: float):
-        tune_malloc_for_large_messages()
-        self.channel = grpc.insecure_channel(address, options=options)
-        self.stub = pb_grpc.ReplayStub(self.channel)
-        self.push_batch = self.channel.unary_unary(
-            "/millpond.v1.Replay/PushBatch",
-            request_serializer=None,  # already bytes
-            response_deserializer=pb.PushReply.FromString,
-        )
-        self.sample = self.channel.unary_unary(
-            "/millpond.v1.Replay/Sample",
-            request_serializer=pb.SampleRequest.SerializeToString,
-            response_deserializer=None,  # parsed by frames.decode_batch_field
-        )
-        self._timeout = timeout
-        self._lock = threading.Lock()
-        self.session: ShmSession | None = None
-        self.shm_reason = "disabled by the client (shm=False)"
-        if shm is not False:
-            self.session, self.shm_reason = self._negotiate(timeout)
-            if shm is True and self.session is None:
-                self.channel.close()
-                raise SharedMemoryError(f"shared memory was required but {self.shm_reason}")
-
-    @property
-    def transport(self) -> str:
-        return "shm" if self.session is not None else "grpc"
-
-    def fast_path(self) -> ShmSession | None:
-        """The usable fast-path session, if any.
-
-        A session broken by a timeout or a lost connection is replaced by a
-        freshly negotiated one (or by gRPC, if that fails) on the next call.
-        """
-        session = self.session
-        if session is None or not session.broken:
-            return session
-        with self._lock:
-            if self.session is session:
-                session.close()
-                self.session, self.shm_reason = self._negotiate(self._timeout)
-        return self.session
-
-    def _negotiate(self, timeout: float) -> tuple[ShmSession | None, str]:
-        """Open the fast path if the server offers it and it is reachable from here."""
-        boot_id = read_boot_id()
-        try:
-            offer = self.stub.Negotiate(pb.NegotiateRequest(boot_id=boot_id), timeout=timeout)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return None, "the server has no fast path"
-            raise error_from_rpc(exc) from None
-        if not offer.shm:
-            return None, offer.reason or "the server does not offer it"
-        if not boot_id or offer.boot_id != boot_id:
-            return None, "the server runs on another host"
-        try:
-            return ShmSession(offer.socket, offer.uid, timeout), ""
-        except OSError as exc:  # other network namespace, refused peer, no memfd...
-            return None, f"its socket is not reachable from here ({exc})"
-
-    def close(self) -> None:
-        if self.session is not None:
-            self.session.close()
-        self.channel.close()
-
-
-def _capacities(capacity: Any, hot_capacity: Any, total_capacity: Any) -> tuple[Any, Any]:
-    if capacity is not None:
-        if hot_capacity is not None or total_capacity is not None:
-            raise InvalidConfigError("give capacity= or hot_capacity=/total_capacity=, not both")
-        return capacity, capacity
-    if hot_capacity is None or total_capacity is None:
-        raise InvalidConfigError("give capacity=, or both hot_capacity= and total_capacity=")
-    return hot_capacity, total_capacity
 
 
 def _rebuild_client(address: str, settings: dict[str, Any]) -> Client:

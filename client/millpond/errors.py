@@ -120,15 +120,29 @@ class DeadlineExceededError(ReplayError, TimeoutError):
 
 
 class RateLimitTimeoutError(DeadlineExceededError):
-    """A push or sample waited for the buffer's rate limiter until its timeout; nothing changed."""
+    """A push or sample waited for the buffer's rate limiter until its timeout; nothing changed.
+
+    ``kind`` ("insert" or "sample") and ``records`` say what waited, when known.
+    """
 
     code = "RATE_LIMIT_TIMEOUT"
+
+    def __init__(self, message: str = "", kind: str | None = None, records: int | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.records = records
 
 
 class ServerUnavailableError(ReplayError, ConnectionError):
     """The server cannot be reached (not started, dead, or shutting down)."""
 
     code = "UNAVAILABLE"
+
+
+class ServerStartingError(ServerUnavailableError):
+    """The server is still recovering its buffers; clients retry until their deadline."""
+
+    code = "SERVER_STARTING"
 
 
 class InternalError(ReplayError, RuntimeError):

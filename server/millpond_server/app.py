@@ -18,17 +18,18 @@ from millpond.malloc import tune_malloc_for_large_messages
 from .config import ServeConfig
 from .fastpath import FastPathServer
 from .fatal import fatal_storage_error
+from .operations import Operations
 from .registry import Registry
 from .service import SERVICE_NAME, ReplayService, add_to_server
 
 log = logging.getLogger("millpond.server")
 
-def start_fastpath(cfg: ServeConfig, registry: Registry) -> tuple[FastPathServer | None, str]:
+def start_fastpath(cfg: ServeConfig, ops: Operations) -> tuple[FastPathServer | None, str]:
     """Start the shared-memory fast path, or say why it is off."""
     if not cfg.shm:
         return None, "disabled by the server (--no-shm)"
     try:
-        fastpath = FastPathServer(registry, cfg.shm_group, cfg.shm_max_mb * 1024 * 1024)
+        fastpath = FastPathServer(ops, cfg.shm_group, cfg.shm_max_mb * 1024 * 1024)
     except OSError as exc:  # no abstract Unix sockets or memfd here
         log.warning("shm fast path unavailable", extra={"kv": {"error": exc}})
         return None, f"unavailable on the server: {exc}"
@@ -70,10 +71,12 @@ async def serve(cfg: ServeConfig) -> int:
     malloc_tuned = tune_malloc_for_large_messages()
     registry = Registry(cfg.data_dir, sync_every_push=cfg.sync == "always",
                         skip_corrupt=cfg.recover == "skip-corrupt")
-    fastpath, off_reason = start_fastpath(cfg, registry)
     executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="millpond-engine")
+    ops = Operations(registry, executor)
+    ops.start(asyncio.get_running_loop())
+    fastpath, off_reason = start_fastpath(cfg, ops)
     server = grpc.aio.server(options=grpc_options(cfg))
-    service = ReplayService(registry, executor, cfg.max_message_mb, fastpath, off_reason)
+    service = ReplayService(ops, cfg.max_message_mb, fastpath, off_reason)
     add_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -97,7 +100,7 @@ async def serve(cfg: ServeConfig) -> int:
         if cfg.sync == "interval":
             syncer = PeriodicSync(registry, cfg.sync_interval)
             syncer.start()
-        service.ready = True
+        ops.ready = True
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         address = _bind_address(cfg.host, port)
@@ -147,8 +150,7 @@ def _recover_and_declare(registry: Registry, cfg: ServeConfig) -> None:
     recovered = registry.recover()
     log.info("recovery done", extra={"kv": {"buffers": recovered}})
     for spec in cfg.buffers:
-        registry.create(spec.name, spec.schema, spec.hot_capacity, spec.total_capacity,
-                        spec.prioritized, spec.sampling)
+        registry.create(spec.name, spec.config)
 
 
 class PeriodicSync(threading.Thread):

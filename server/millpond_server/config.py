@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from millpond.core import Schema
-from millpond.core.buffer import check_sampling
+from millpond.core import BufferConfig
 from millpond.core.ratelimit import MinSize, RateLimiter, SampleToInsertRatio
 from millpond.errors import InvalidConfigError
 
@@ -50,12 +49,10 @@ class ConfigError(Exception):
 
 @dataclass(frozen=True)
 class BufferSpec:
+    """A buffer the TOML file declares."""
+
     name: str
-    schema: Schema
-    hot_capacity: int
-    total_capacity: int
-    prioritized: tuple[float, float] | None = None  # (alpha, beta)
-    sampling: tuple = ("replay", None, None)  # (mode, max_times_sampled, rate_limiter)
+    config: BufferConfig
 
 
 @dataclass(frozen=True)
@@ -266,15 +263,6 @@ def load_buffers(path: Path) -> list[BufferSpec]:
     return specs
 
 
-def _int(table: dict, key: str, where: str) -> int | None:
-    value = table.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{where}: {key} must be a positive integer, got {value!r}")
-    return value
-
-
 def _buffer_spec(table: dict, where: str) -> BufferSpec:
     from .registry import check_name
 
@@ -285,35 +273,18 @@ def _buffer_spec(table: dict, where: str) -> BufferSpec:
         raise ConfigError(f"{where}: missing 'name'")
     try:
         name = check_name(table["name"])
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    hot = _int(table, "hot_capacity", where)
-    total = _int(table, "total_capacity", where)
-    capacity = _int(table, "capacity", where)
-    if total is not None and capacity is not None:
-        raise ConfigError(f"{where}: give total_capacity or capacity, not both")
-    total = total if total is not None else capacity
-    if total is None:
-        raise ConfigError(f"{where}: missing total_capacity (or capacity)")
-    hot = hot if hot is not None else total
-    if hot > total:
-        raise ConfigError(f"{where}: hot_capacity ({hot}) > total_capacity ({total})")
-    try:
-        if "fields" in table:
-            if "obs_dim" in table or "act_dim" in table:
-                raise ConfigError(f"{where}: give [buffers.fields] or obs_dim/act_dim, not both")
-            schema = Schema.from_spec(_fields(table["fields"], where))
-        else:
-            obs, act = _int(table, "obs_dim", where), _int(table, "act_dim", where)
-            if obs is None or act is None:
-                raise ConfigError(f"{where}: needs obs_dim and act_dim, or a [buffers.fields] table")
-            schema = Schema.transition(obs, act)
-        sampling = check_sampling(table.get("mode", "replay"), table.get("max_times_sampled"),
-                                  _rate_limiter(table.get("rate_limiter"), where), total)
         prioritized = _prioritized(table.get("prioritized"), where)
-    except (InvalidConfigError, TypeError) as exc:
+        config = BufferConfig.build(
+            capacity=table.get("capacity"), hot_capacity=table.get("hot_capacity"),
+            total_capacity=table.get("total_capacity"), obs_dim=table.get("obs_dim"),
+            act_dim=table.get("act_dim"),
+            fields=_fields(table["fields"], where) if "fields" in table else None,
+            mode=table.get("mode", "replay"), max_times_sampled=table.get("max_times_sampled"),
+            rate_limiter=_rate_limiter(table.get("rate_limiter"), where),
+            prioritized=prioritized is not None, **(prioritized or {}))
+    except (InvalidConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    return BufferSpec(name, schema, hot, total, prioritized, sampling)
+    return BufferSpec(name, config)
 
 
 def _rate_limiter(spec: Any, where: str) -> RateLimiter | None:
@@ -336,12 +307,12 @@ def _rate_limiter(spec: Any, where: str) -> RateLimiter | None:
     return SampleToInsertRatio(spec["samples_per_insert"], min_size, error_buffer)
 
 
-def _prioritized(spec: Any, where: str) -> tuple[float, float] | None:
+def _prioritized(spec: Any, where: str) -> dict[str, Any] | None:
     if spec is None:
         return None
     if not isinstance(spec, dict) or set(spec) - {"alpha", "beta"}:
         raise ConfigError(f"{where}: prioritized must be {{ alpha, beta }}, got {spec!r}")
-    return spec.get("alpha", 0.6), spec.get("beta", 0.4)
+    return spec
 
 
 def _fields(fields: Any, where: str) -> dict[str, tuple[str, tuple[int, ...]]]:

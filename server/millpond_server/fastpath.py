@@ -2,14 +2,17 @@
 
 A listener thread accepts connections on an abstract Unix socket and admits
 only peers of the server's user (or of a configured group), checked with
-``SO_PEERCRED``. Each admitted client gets a session thread that serves its
-requests straight against the registry's buffers: no event loop hop, no
-gRPC, no serialization of bulk data.
+``SO_PEERCRED``. Each admitted client connection gets a session thread that
+decodes its requests and calls the operations layer (:mod:`.operations`)
+directly: no event loop hop, no gRPC, no serialization of bulk data. A call
+that must wait for a rate limiter waits on the operations layer's loop, like
+a gRPC call, and ends early if the client hangs up.
 
 Nothing from a client is trusted: every segment fd must be a sealed memfd of
 the announced size, every offset and shape is checked against the segment
-and the schema before a view is made, unexpected fds are closed, and bad
-requests get an error reply while the session and the server keep serving.
+and the schema before a view is made (:func:`segment_view`), unexpected fds
+are closed, and bad requests get an error reply while the session and the
+server keep serving.
 """
 
 from __future__ import annotations
@@ -26,20 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from millpond.core.buffer import abandon_waits_when, check_batch_size, check_seed, check_timeout
-from millpond.core.prioritized import PrioritizedTieredBuffer, as_prioritized
-from millpond.errors import (
-    InternalError,
-    InvalidArgumentError,
-    InvalidConfigError,
-    ReplayError,
-    SharedMemoryError,
-    StorageIOError,
-)
+from millpond.core.checks import check_batch_size, check_seed, check_timeout
+from millpond.core.schema import Schema
+from millpond.errors import InvalidArgumentError, InvalidConfigError, SharedMemoryError
 from millpond.shm import memfd, protocol
 
-from .fatal import fatal_storage_error
-from .registry import Registry
+from .operations import Operations
 
 log = logging.getLogger("millpond.fastpath")
 
@@ -65,11 +60,11 @@ def _peer_groups(pid: int, gid: int) -> set[int]:
 
 
 class FastPathServer:
-    """Listens on ``\\0<socket_name>``; one :class:`Session` thread per client."""
+    """Listens on ``\\0<socket_name>``; one :class:`FastPathSession` thread per connection."""
 
-    def __init__(self, registry: Registry, allowed_gids: frozenset[int] = frozenset(),
+    def __init__(self, ops: Operations, allowed_gids: frozenset[int] = frozenset(),
                  max_session_bytes: int = 8 << 30):
-        self.registry = registry
+        self.ops = ops
         self.allowed_gids = allowed_gids
         self.max_session_bytes = max_session_bytes
         self.socket_name = f"millpond-{os.getpid()}-{uuid.uuid4().hex}"
@@ -77,7 +72,7 @@ class FastPathServer:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._listener.bind("\0" + self.socket_name)
         self._listener.listen(128)
-        self._sessions: set[Session] = set()
+        self._sessions: set[FastPathSession] = set()
         self._lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._accept_loop, name="millpond-shm-accept",
@@ -116,30 +111,31 @@ class FastPathServer:
                 log.warning("shm peer refused", extra={"kv": {"pid": pid, "uid": uid}})
                 conn.close()
                 continue
-            session = Session(self, conn, pid)
+            session = FastPathSession(self, conn, pid)
             with self._lock:
                 self._sessions.add(session)
             session.start()
 
-    def _ended(self, session: "Session") -> None:
+    def _ended(self, session: "FastPathSession") -> None:
         with self._lock:
             self._sessions.discard(session)
 
 
-class Session(threading.Thread):
-    """Serves one client's requests in order until it disconnects."""
+class FastPathSession(threading.Thread):
+    """Serves one client connection's requests in order until it disconnects."""
 
     def __init__(self, server: FastPathServer, conn: socket.socket, pid: int):
         super().__init__(name=f"millpond-shm-{pid}", daemon=True)
         self.server = server
+        self.ops = server.ops
         self.conn = conn
         self.pid = pid
         self.push_segments: dict[int, mmap.mmap] = {}
         self.result_segments: dict[int, mmap.mmap] = {}
         self.reserved = 0
         self._next_id = 0
-        # (segment, offset, batch_size, buffer) -> the views a sample gathers into
-        self._sample_views: dict[tuple, dict[str, np.ndarray]] = {}
+        # (segment, offset, batch_size, buffer name, schema) -> the views a sample gathers into
+        self._sample_views: dict[tuple, tuple[dict, dict]] = {}
         self._handlers = {
             "hello": self.hello,
             "push_segment": self.attach_push_segment,
@@ -160,37 +156,32 @@ class Session(threading.Thread):
             self.cleanup()
 
     def _serve(self) -> None:
-        # This thread serves only this client: any call of its that waits for
-        # a rate limiter gives up when the client hangs up.
-        with abandon_waits_when(self.peer_gone):
-            while True:
-                try:
-                    message, fds = protocol.recv(self.conn, protocol.SERVER_SPIN)
-                except ReplayError as exc:  # malformed message: say so, keep serving
-                    protocol.send(self.conn, protocol.error_reply(exc))
-                    continue
-                if message is None:
-                    return
-                reply, out_fds = self.handle(message, fds)
-                try:
-                    protocol.send(self.conn, reply, out_fds)
-                finally:
-                    protocol.close_fds(out_fds)
+        while True:
+            try:
+                message, fds = protocol.recv(self.conn, protocol.SERVER_SPIN)
+            except InvalidArgumentError as exc:  # malformed message: say so, keep serving
+                protocol.send(self.conn, protocol.error_reply(exc))
+                continue
+            if message is None:
+                return
+            reply, out_fds = self.handle(message, fds)
+            try:
+                protocol.send(self.conn, reply, out_fds)
+            finally:
+                protocol.close_fds(out_fds)
 
     def handle(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         """Run one request; fds that arrived with it are always closed here."""
+        op = message.get("op")
         try:
-            handler = self._handlers.get(message.get("op"))
+            handler = self._handlers.get(op)  # type: ignore[arg-type]
             if handler is None:
-                raise InvalidArgumentError(f"unknown fast-path op {message.get('op')!r}")
+                raise InvalidArgumentError(f"unknown fast-path op {op!r}")
+            if op != "hello":
+                self.ops.check_ready()
             return handler(message, fds)
-        except StorageIOError as exc:
-            fatal_storage_error(exc)
-        except ReplayError as exc:
-            return protocol.error_reply(exc), []
-        except Exception as exc:  # a bug, not the client's fault: report, keep serving
-            log.exception("fast-path request failed", extra={"kv": {"op": message.get("op")}})
-            return protocol.error_reply(InternalError(f"{type(exc).__name__}: {exc}")), []
+        except Exception as exc:
+            return protocol.error_reply(self.ops.classify(exc, f"shm {op}")), []
         finally:
             protocol.close_fds(fds)
 
@@ -200,8 +191,13 @@ class Session(threading.Thread):
         poller.register(self.conn, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
         return bool(poller.poll(0))
 
+    def _admit(self, message: dict, fn, *args: Any) -> Any:
+        """Run an operation that may wait for a rate limiter, up to the request's timeout."""
+        budget = check_timeout(message.get("timeout", 0))
+        return self.ops.admit_from_thread(budget, self.peer_gone, fn, *args)
+
     def hello(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
-        self._no_fds(fds)
+        _no_fds(fds)
         if message.get("version") != protocol.VERSION:
             raise InvalidArgumentError(
                 f"fast-path protocol version {message.get('version')!r}; "
@@ -235,7 +231,7 @@ class Session(threading.Thread):
         return {"ok": True, "segment": segment}, []
 
     def new_result_segment(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
-        self._no_fds(fds)
+        _no_fds(fds)
         size = message.get("size")
         segment = self._reserve(size)
         fd = memfd.create_segment(size, f"millpond-result-{self.pid}")
@@ -248,11 +244,12 @@ class Session(threading.Thread):
         return {"ok": True, "segment": segment}, [readonly]
 
     def release(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
-        self._no_fds(fds)
+        _no_fds(fds)
         segment = message.get("segment")
         for table in (self.push_segments, self.result_segments):
             if segment in table:
-                self._sample_views = {k: v for k, v in self._sample_views.items() if k[0] != segment}
+                self._sample_views = {k: v for k, v in self._sample_views.items()
+                                      if k[0] != segment}
                 mm = table.pop(segment)
                 self.reserved -= len(mm)
                 _close_map(mm)
@@ -262,142 +259,72 @@ class Session(threading.Thread):
     # ---- data -----------------------------------------------------------------------
 
     def push(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
-        self._no_fds(fds)
-        buffer = self._buffer(message)
-        mm = self._segment(self.push_segments, message.get("segment"))
+        _no_fds(fds)
+        name = _name(message)
+        schema = self.ops.registry.get(name).schema
+        mm = _segment(self.push_segments, message.get("segment"))
         n = _count(message)
         columns = message.get("columns")
         if not isinstance(columns, list):
             raise InvalidArgumentError("columns must be a list of [name, offset, dtype, shape]")
-        views = {}
-        for entry in columns:
-            name, array = self._column_view(mm, buffer.schema, entry, n)
-            views[name] = array
-        if "priorities" in message:  # values checked by the engine, as over gRPC
-            prioritized = as_prioritized(buffer)
-            priorities = self._vector(mm, message["priorities"], protocol.PRIORITY_DTYPE, n,
-                                      "priorities")
-            prioritized.push_batch(views, priorities, timeout=_wait(message))
-        else:  # checks the field set; copies the views once
-            buffer.push_batch(views, timeout=_wait(message))
-        return {"ok": True, "size": len(buffer), "pushed": buffer.pushed}, []
+        views = dict(_column_view(mm, schema, entry, n) for entry in columns)
+        priorities = None
+        if "priorities" in message:  # a copy: the client could still change them
+            priorities = _vector(mm, message["priorities"], protocol.PRIORITY_DTYPE, n,
+                                 "priorities").copy()
+        size, pushed = self._admit(message, self.ops.push_batch, name, views, priorities)
+        return {"ok": True, "size": size, "pushed": pushed}, []
 
     def update_priorities(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
-        self._no_fds(fds)
-        buffer = as_prioritized(self._buffer(message))
-        mm = self._segment(self.push_segments, message.get("segment"))
+        _no_fds(fds)
+        mm = _segment(self.push_segments, message.get("segment"))
         n = _count(message)
-        indices = self._vector(mm, message.get("indices"), protocol.INDEX_DTYPE, n, "indices")
-        priorities = self._vector(mm, message.get("priorities"), protocol.PRIORITY_DTYPE, n,
-                                  "priorities")
-        return {"ok": True, "updated": buffer.update_priorities(indices, priorities)}, []
+        # Copies: the engine must not see values change after it checked them.
+        indices = _vector(mm, message.get("indices"), protocol.INDEX_DTYPE, n, "indices").copy()
+        priorities = _vector(mm, message.get("priorities"), protocol.PRIORITY_DTYPE, n,
+                             "priorities").copy()
+        updated = self.ops.update_priorities(_name(message), indices, priorities)
+        return {"ok": True, "updated": updated}, []
 
     def set_beta(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
-        self._no_fds(fds)
-        buffer = as_prioritized(self._buffer(message))
+        _no_fds(fds)
         beta = message.get("beta")
         if not isinstance(beta, float):  # the client sends floats; the engine checks the range
             raise InvalidConfigError(f"beta must be a finite number >= 0, got {beta!r}")
-        buffer.set_beta(beta)
+        self.ops.set_beta(_name(message), beta)
         return {"ok": True}, []
 
-    @staticmethod
-    def _vector(mm: mmap.mmap, entry: Any, dtype: np.dtype, n: int, what: str) -> np.ndarray:
-        """A copy of the ``[offset, dtype, [n]]`` vector in a client's segment.
-
-        A copy, not a view: the client can still write its segment, and the
-        engine must not see values change after it checked them.
-        """
-        if not (isinstance(entry, list) and len(entry) == 3):
-            raise InvalidArgumentError(f"{what} must be [offset, dtype, [n]]")
-        offset, dtype_str, shape = entry
-        if dtype_str != dtype.str or shape != [n]:
-            raise InvalidArgumentError(f"{what}: expected {dtype.str}{[n]}, got {dtype_str}{shape}")
-        nbytes = n * dtype.itemsize
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 \
-                or offset % dtype.itemsize or offset + nbytes > len(mm):
-            raise InvalidArgumentError(
-                f"{what}: {nbytes:,} bytes at offset {offset!r} do not fit the "
-                f"{len(mm):,}-byte segment"
-            )
-        return np.frombuffer(mm, dtype, n, offset).copy()
-
-    def _column_view(self, mm: mmap.mmap, schema, entry: Any, n: int) -> tuple[str, np.ndarray]:
-        if not (isinstance(entry, list) and len(entry) == 4):
-            raise InvalidArgumentError("each column must be [name, offset, dtype, shape]")
-        name, offset, dtype, shape = entry
-        try:
-            field = schema[name]
-        except (KeyError, TypeError):
-            raise InvalidArgumentError(f"unknown field {name!r}") from None
-        if dtype != field.dtype.str or shape != [n, *field.shape]:
-            raise InvalidArgumentError(
-                f"field {name!r}: expected {field.dtype.str}{[n, *field.shape]}, got {dtype}{shape}"
-            )
-        nbytes = n * field.nbytes
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 \
-                or offset % field.dtype.itemsize or offset + nbytes > len(mm):
-            raise InvalidArgumentError(
-                f"field {name!r}: {nbytes:,} bytes at offset {offset!r} do not fit the "
-                f"{len(mm):,}-byte segment"
-            )
-        array = np.frombuffer(mm, field.dtype, n * field.size, offset)
-        return name, array.reshape((n, *field.shape))
-
     def sample(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
-        self._no_fds(fds)
-        buffer = self._buffer(message)
-        mm = self._segment(self.result_segments, message.get("segment"))
+        _no_fds(fds)
+        name = _name(message)
+        buffer = self.ops.registry.get(name)
+        mm = _segment(self.result_segments, message.get("segment"))
         batch_size = check_batch_size(message.get("batch_size"))
         seed = check_seed(message.get("seed"))
         offset = message.get("offset")
-        prioritized = isinstance(buffer, PrioritizedTieredBuffer)
-        spans, extra_spans, total = protocol.sample_layout(buffer.schema, batch_size, prioritized)
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 \
-                or offset % protocol.ALIGN or offset + total > len(mm):
-            raise InvalidArgumentError(
-                f"a sample of {total:,} bytes at offset {offset!r} does not fit the "
-                f"{len(mm):,}-byte segment"
-            )
-        key = (message["segment"], offset, batch_size, buffer)
+        extras = buffer.config.prioritized is not None
+        spans, extra_spans, total = protocol.sample_layout(buffer.schema, batch_size, extras)
+        segment_view(mm, offset, np.dtype(np.uint8), total, "sample", protocol.ALIGN)
+        key = (message["segment"], offset, batch_size, name, buffer.schema)
         views = self._sample_views.get(key)
         if views is None:  # learners repeat the same request shape: build views once
             if len(self._sample_views) >= 64:
                 self._sample_views.clear()
             views = self._sample_views[key] = (
                 {f.name: np.frombuffer(mm, f.dtype, batch_size * f.size, offset + spans[f.name][0])
-                 .reshape((batch_size, *f.shape))
-                 for f in buffer.schema},
-                {name: np.frombuffer(mm, protocol.SAMPLE_EXTRAS[name], batch_size, offset + start)
-                 for name, (start, _) in extra_spans.items()},
+                 .reshape((batch_size, *f.shape)) for f in buffer.schema},
+                {key: np.frombuffer(mm, protocol.SAMPLE_EXTRAS[key], batch_size, offset + start)
+                 for key, (start, _) in extra_spans.items()},
             )
-        out, extras = views
-        result = buffer.sample(batch_size, seed, out=out, timeout=_wait(message))
+        out, extra_views = views
+        result = self._admit(message, self.ops.sample, name, batch_size, seed, out)
         # Weights and indices are small new arrays: one copy each into the segment.
-        written = [name for name in extras if name in result]
-        for name in written:
-            np.copyto(extras[name], result[name], casting="no")
+        written = [key for key in extra_views if key in result]
+        for key in written:
+            np.copyto(extra_views[key], result[key], casting="no")
         return {"ok": True, "extras": written}, []
 
-    # ---- helpers --------------------------------------------------------------------
-
-    def _buffer(self, message: dict):
-        name = message.get("buffer")
-        if not isinstance(name, str):
-            raise InvalidArgumentError(f"buffer must be a name, got {name!r}")
-        return self.server.registry.get(name)
-
-    @staticmethod
-    def _no_fds(fds: list[int]) -> None:
-        if fds:
-            raise InvalidArgumentError("this request takes no fds")
-
-    @staticmethod
-    def _segment(table: dict[int, mmap.mmap], segment: Any) -> mmap.mmap:
-        try:
-            return table[segment]
-        except (KeyError, TypeError):
-            raise InvalidArgumentError(f"no such segment {segment!r} in this session") from None
+    # ---- lifecycle ------------------------------------------------------------------
 
     def shutdown(self) -> None:
         try:
@@ -415,17 +342,73 @@ class Session(threading.Thread):
         self.server._ended(self)
 
 
+# ---- request fields, checked -----------------------------------------------------------
+
+def segment_view(mm: mmap.mmap, offset: Any, dtype: np.dtype, count: int, what: str,
+                 align: int | None = None) -> np.ndarray:
+    """The ``count`` items of ``dtype`` at ``offset`` in a segment, after checking that
+    ``offset`` is a non-negative int, aligned (to the item size, or ``align``),
+    and that the bytes fit the segment. A view: copy what must not change."""
+    nbytes = count * dtype.itemsize
+    align = align or dtype.itemsize
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 \
+            or offset % align or offset + nbytes > len(mm):
+        raise InvalidArgumentError(
+            f"{what}: {nbytes:,} bytes at offset {offset!r} do not fit the "
+            f"{len(mm):,}-byte segment")
+    return np.frombuffer(mm, dtype, count, offset)
+
+
+def _column_view(mm: mmap.mmap, schema: Schema, entry: Any, n: int) -> tuple[str, np.ndarray]:
+    if not (isinstance(entry, list) and len(entry) == 4):
+        raise InvalidArgumentError("each column must be [name, offset, dtype, shape]")
+    name, offset, dtype, shape = entry
+    try:
+        field = schema[name]
+    except (KeyError, TypeError):
+        raise InvalidArgumentError(f"unknown field {name!r}") from None
+    if dtype != field.dtype.str or shape != [n, *field.shape]:
+        raise InvalidArgumentError(
+            f"field {name!r}: expected {field.dtype.str}{[n, *field.shape]}, got {dtype}{shape}")
+    view = segment_view(mm, offset, field.dtype, n * field.size, f"field {name!r}")
+    return name, view.reshape((n, *field.shape))
+
+
+def _vector(mm: mmap.mmap, entry: Any, dtype: np.dtype, n: int, what: str) -> np.ndarray:
+    """The ``[offset, dtype, [n]]`` vector in a client's segment (a view)."""
+    if not (isinstance(entry, list) and len(entry) == 3):
+        raise InvalidArgumentError(f"{what} must be [offset, dtype, [n]]")
+    offset, dtype_str, shape = entry
+    if dtype_str != dtype.str or shape != [n]:
+        raise InvalidArgumentError(f"{what}: expected {dtype.str}{[n]}, got {dtype_str}{shape}")
+    return segment_view(mm, offset, dtype, n, what)
+
+
+def _name(message: dict) -> str:
+    name = message.get("buffer")
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"buffer must be a name, got {name!r}")
+    return name
+
+
+def _no_fds(fds: list[int]) -> None:
+    if fds:
+        raise InvalidArgumentError("this request takes no fds")
+
+
+def _segment(table: dict[int, mmap.mmap], segment: Any) -> mmap.mmap:
+    try:
+        return table[segment]
+    except (KeyError, TypeError):
+        raise InvalidArgumentError(f"no such segment {segment!r} in this session") from None
+
+
 def _count(message: dict) -> int:
     """The request's record count ``n``, checked."""
     n = message.get("n")
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise InvalidArgumentError(f"n must be a non-negative integer, got {n!r}")
     return n
-
-
-def _wait(message: dict) -> float:
-    """How long the call may wait for a rate limiter: the client's ``timeout`` (0 if absent)."""
-    return check_timeout(message.get("timeout", 0))
 
 
 def _close_map(mm: mmap.mmap) -> None:

@@ -7,6 +7,7 @@ lock so lookups of other buffers never wait for a disk allocation.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -15,9 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from millpond.core import Schema, TieredBuffer
-from millpond.core.buffer import DEFAULT_SAMPLING, check_capacities, check_sampling
-from millpond.core.prioritized import PrioritizedTieredBuffer, open_buffer
+from millpond.core import BufferConfig, BufferInfo, TieredBuffer
 from millpond.errors import BufferNotFoundError, ConfigMismatchError, InvalidArgumentError
 
 log = logging.getLogger("millpond.registry")
@@ -35,13 +34,6 @@ def check_name(name: object) -> str:
             "starting with a letter or digit"
         )
     return name
-
-
-def describe(schema: Schema, hot: int, total: int, alpha: float | None, sampling) -> str:
-    mode, max_times, limiter = sampling
-    how = "uniform" if alpha is None else f"prioritized alpha={alpha}"
-    return (f"hot={hot} total={total} {how} mode={mode} max_times_sampled={max_times or 0} "
-            f"rate_limiter={limiter and limiter.to_dict()} fields={schema.spec()}")
 
 
 class DataDirLockedError(OSError):
@@ -68,8 +60,8 @@ class Registry:
         self._lock = threading.Lock()         # guards _buffers; held briefly
         self._create_lock = threading.Lock()  # serializes creations
 
-    def cold_path(self, name: str) -> Path:
-        """Where buffer ``name`` keeps its records (both tiers)."""
+    def path(self, name: str) -> Path:
+        """The file where buffer ``name`` keeps its records (both tiers)."""
         return self.data_dir / f"{check_name(name)}{FILE_SUFFIX}"
 
     def recover(self) -> int:
@@ -84,59 +76,43 @@ class Registry:
             log.info("recovering buffer", extra={"kv": {
                 "buffer": name, "progress": f"{i}/{len(paths)}",
                 "bytes": path.stat().st_size}})
-            buffer = open_buffer(path, sync_every_push=self.sync_every_push,
+            buffer = TieredBuffer.open(path, sync_every_push=self.sync_every_push,
                                        skip_corrupt=self.skip_corrupt,
                                        progress=_progress_logger(name))
             with self._lock:
                 self._buffers[name] = buffer
-            if buffer.damaged:
+            damaged = buffer.info().damaged
+            if damaged:
                 log.warning("damaged records left out", extra={"kv": {
-                    "buffer": name, "damaged": buffer.damaged, "intact": len(buffer)}})
+                    "buffer": name, "damaged": damaged, "intact": len(buffer)}})
             log.info("buffer recovered", extra={"kv": {
                 "buffer": name, "records": len(buffer), "pushed": buffer.pushed}})
         return len(paths)
 
-    def create(self, name: str, schema: Schema, hot: int, total: int,
-               prioritized: tuple[float, float] | None = None,
-               sampling=DEFAULT_SAMPLING) -> tuple[TieredBuffer, bool]:
+    def create(self, name: str, config: BufferConfig) -> tuple[TieredBuffer, bool]:
         """Create ``name`` or attach to it; return ``(buffer, created)``.
 
-        ``prioritized`` is ``(alpha, beta)`` for a prioritized buffer;
-        ``sampling`` is ``(mode, max_times_sampled, rate_limiter)``. Attaching
-        requires the identical configuration (schema, capacities, sampling,
-        alpha; beta may have been annealed), else :class:`ConfigMismatchError`.
+        Attaching requires an equal config (``beta`` aside: learners anneal
+        it), else :class:`ConfigMismatchError` names what differs.
         """
-        hot, total = check_capacities(hot, total)
-        sampling = check_sampling(*sampling, total)
-        path = self.cold_path(name)
+        path = self.path(name)
         with self._create_lock:
             with self._lock:
                 existing = self._buffers.get(name)
             if existing is not None:
-                has_alpha = getattr(existing, "alpha", None)
-                wants_alpha = prioritized[0] if prioritized else None
-                has = (existing.schema, existing.hot_capacity, existing.total_capacity,
-                       has_alpha, existing.sampling)
-                wants = (schema, hot, total, wants_alpha, sampling)
-                if has != wants:
+                if existing.config != config:
                     raise ConfigMismatchError(
-                        f"buffer {name!r} exists with a different config: has "
-                        f"{describe(*has)}, asked for {describe(*wants)}")
+                        f"buffer {name!r} exists with a different config: " + "; ".join(
+                            f"{setting}: has {has}, asked for {wants}"
+                            for setting, has, wants in existing.config.differences(config)))
                 return existing, False
-            mode, max_times_sampled, rate_limiter = sampling
-            options = dict(cold_path=path, persistent=True, sync_every_push=self.sync_every_push,
-                           mode=mode, max_times_sampled=max_times_sampled,
-                           rate_limiter=rate_limiter)
-            if prioritized:
-                alpha, beta = prioritized
-                buffer = PrioritizedTieredBuffer(schema, hot, total, alpha=alpha, beta=beta,
-                                                 **options)
-            else:
-                buffer = TieredBuffer(schema, hot, total, **options)
+            buffer = TieredBuffer(config, path, persistent=True,
+                                  sync_every_push=self.sync_every_push)
             with self._lock:
                 self._buffers[name] = buffer
-        log.info("buffer created", extra={"kv": {"buffer": name, "hot": hot, "total": total,
-                                                  "record_bytes": schema.record_nbytes}})
+        log.info("buffer created", extra={"kv": {
+            "buffer": name, "hot": config.hot_capacity, "total": config.total_capacity,
+            "record_bytes": config.schema.record_nbytes}})
         return buffer, True
 
     def get(self, name: str) -> TieredBuffer:
@@ -154,6 +130,12 @@ class Registry:
             raise BufferNotFoundError(f"no buffer named {name!r}")
         buffer.close()
         log.info("buffer closed", extra={"kv": {"buffer": name}})
+
+    def info(self, name: str, buffer: TieredBuffer | None = None) -> BufferInfo:
+        """``buffer.info()`` (``buffer``: the one named ``name``, looked up if not
+        given) with its name, and its file relative to the data directory."""
+        buffer = self.get(name) if buffer is None else buffer
+        return dataclasses.replace(buffer.info(), name=name, path=self.path(name).name)
 
     def list(self) -> list[tuple[str, TieredBuffer]]:
         """``(name, buffer)`` pairs sorted by name (a snapshot)."""

@@ -1,9 +1,11 @@
-"""The storage engine: schemas, tiers, the cold file and the tiered buffer.
+"""The storage engine: schemas, configs, tiers, the buffer file and the tiered buffer.
 
-numpy and the standard library only; knows nothing of gRPC or sessions.
+numpy and the standard library only; knows nothing of gRPC, protobuf or sessions.
 """
 
 from .buffer import TieredBuffer
+from .config import BufferConfig, Prioritized
+from .info import BufferInfo
 from .schema import Field, Schema
 
-__all__ = ["Field", "Schema", "TieredBuffer"]
+__all__ = ["BufferConfig", "BufferInfo", "Field", "Prioritized", "Schema", "TieredBuffer"]

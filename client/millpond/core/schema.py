@@ -115,7 +115,7 @@ class Schema:
         for label, dim in (("obs_dim", obs_dim), ("act_dim", act_dim)):
             if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim <= 0:
                 raise InvalidConfigError(f"{label} must be a positive integer, got {dim!r}")
-        return cls.from_spec(TRANSITION_SPEC(int(obs_dim), int(act_dim)))
+        return cls.from_spec(transition_spec(int(obs_dim), int(act_dim)))
 
     @classmethod
     def resolve(cls, obs_dim: Any = None, act_dim: Any = None, fields: Any = None) -> "Schema":
@@ -226,7 +226,7 @@ class Schema:
 TRANSITION_NAMES = ("obs", "next_obs", "actions", "rewards", "terminated", "truncated")
 
 
-def TRANSITION_SPEC(obs_dim: int, act_dim: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+def transition_spec(obs_dim: int, act_dim: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Field spec of the reference transition record."""
     return {
         "obs": ("float32", (obs_dim,)),

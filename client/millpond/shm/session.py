@@ -1,8 +1,9 @@
 """The client side of the same-host fast path.
 
 A :class:`ShmSession` is one Unix-socket connection to the server's fast-path
-listener. Requests are serialized by a lock (one in flight per session);
-bulk data moves through segments:
+listener, served by one server thread: one request in flight at a time
+(threads of one client each use their own session, see
+:mod:`millpond.shm.transport`). Bulk data moves through segments:
 
 * one push segment, the client's own sealed memfd, grown on demand: a push
   is one copy of the caller's arrays into it, then one small message;
@@ -53,12 +54,20 @@ class _ResultSegment:
 
 
 class ShmSession:
-    """One fast-path connection. Thread-safe; not usable across fork."""
+    """One fast-path connection. Thread-safe (calls take turns); not usable across fork.
 
-    def __init__(self, socket_name: str, server_uid: int, timeout: float):
+    ``deadline`` arguments are the seconds a whole call may take; ``timeout``
+    arguments the seconds the server may wait for a rate limiter within it.
+    A call that fails mid-way (its deadline passed, the connection was lost)
+    marks the session :attr:`broken`: replies may be out of step, so it must
+    be closed. ``served`` counts each op's successful requests.
+    """
+
+    def __init__(self, socket_name: str, server_uid: int, deadline: float,
+                 served: Counter[str] | None = None):
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self._sock.settimeout(timeout)
-        self.timeout = timeout
+        self._sock.settimeout(deadline)
+        self.deadline = deadline
         try:
             self._sock.connect("\0" + socket_name)
             _, uid, _ = struct.unpack("3i", self._sock.getsockopt(
@@ -77,14 +86,15 @@ class ShmSession:
             raise
         self._lock = threading.Lock()
         self.broken = False  # a request failed mid-way: replies may be out of step
+        self.lost = False  # the connection is gone (the server died or restarted)
         self._push_segment: tuple[int, mmap.mmap] | None = None
         self._results: list[_ResultSegment] = []
-        self.served: Counter[str] = Counter()  # successful requests per op (observability)
+        self.served: Counter[str] = Counter() if served is None else served
 
-    def _set_timeout(self, timeout: float) -> None:
-        if timeout != self.timeout:
-            self._sock.settimeout(timeout)
-            self.timeout = timeout
+    def _set_deadline(self, deadline: float) -> None:
+        if deadline != self.deadline:
+            self._sock.settimeout(deadline)
+            self.deadline = deadline
 
     def _request(self, message: dict[str, Any], fds: tuple[int, ...] = ()) -> tuple[dict, list[int]]:
         if self.broken:
@@ -96,10 +106,10 @@ class ShmSession:
             self.broken = True
             raise DeadlineExceededError(f"fast-path {message.get('op')} timed out") from exc
         except OSError as exc:
-            self.broken = True
+            self.broken = self.lost = True
             raise ServerUnavailableError(f"fast-path connection lost: {exc}") from exc
         if reply is None:
-            self.broken = True
+            self.broken = self.lost = True
             raise ServerUnavailableError("fast-path connection closed by the server")
         try:
             protocol.raise_for(reply)
@@ -112,7 +122,7 @@ class ShmSession:
     # ---- push -----------------------------------------------------------------------
 
     def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
-                   timeout: float, priorities: np.ndarray | None = None) -> dict[str, Any]:
+                   priorities: np.ndarray | None, timeout: float, deadline: float) -> None:
         """Copy validated columns ``[n, *shape]`` (and priorities) into the push segment; store them.
 
         ``priorities``: float64[n], after the columns in the segment.
@@ -120,7 +130,7 @@ class ShmSession:
         spans, total = protocol.layout(schema, n)
         size = total + (0 if priorities is None else n * protocol.PRIORITY_DTYPE.itemsize)
         with self._lock:
-            self._set_timeout(timeout)
+            self._set_deadline(deadline)
             segment, mm = self._push_segment_for(size)
             described = []
             for f in schema:
@@ -130,22 +140,21 @@ class ShmSession:
                     np.copyto(target, columns[f.name], casting="no")
                 described.append([f.name, offset, f.dtype.str, [n, *f.shape]])
             message = {"op": "push", "buffer": buffer, "segment": segment, "n": n,
-                       "columns": described, "timeout": wait_budget(timeout)}
+                       "columns": described, "timeout": timeout}
             if priorities is not None:
                 message["priorities"] = _write_vector(mm, total, priorities,
                                                       protocol.PRIORITY_DTYPE)
-            reply, _ = self._request(message)
-        return reply
+            self._request(message)
 
     # ---- priorities -----------------------------------------------------------------
 
     def update_priorities(self, buffer: str, indices: np.ndarray, priorities: np.ndarray,
-                          timeout: float) -> int:
+                          deadline: float) -> int:
         """Send int64 ``indices`` and float64 ``priorities`` through the push segment."""
         n = len(indices)
         start = n * protocol.INDEX_DTYPE.itemsize  # both 8-byte items: aligned back to back
         with self._lock:
-            self._set_timeout(timeout)
+            self._set_deadline(deadline)
             segment, mm = self._push_segment_for(start + n * protocol.PRIORITY_DTYPE.itemsize)
             reply, _ = self._request({
                 "op": "update_priorities", "buffer": buffer, "segment": segment, "n": n,
@@ -154,9 +163,9 @@ class ShmSession:
             })
         return reply["updated"]
 
-    def set_beta(self, buffer: str, beta: float, timeout: float) -> None:
+    def set_beta(self, buffer: str, beta: float, deadline: float) -> None:
         with self._lock:
-            self._set_timeout(timeout)
+            self._set_deadline(deadline)
             self._request({"op": "set_beta", "buffer": buffer, "beta": beta})
 
     def _push_segment_for(self, size: int) -> tuple[int, mmap.mmap]:
@@ -165,7 +174,7 @@ class ShmSession:
         if self._push_segment is not None:
             old, mm = self._push_segment
             self._push_segment = None
-            mm.close()
+            _close_quietly(mm)
             self._request({"op": "release", "segment": old})
         size = _round_segment(size)
         fd = memfd.create_segment(size, "millpond-push")
@@ -180,20 +189,21 @@ class ShmSession:
     # ---- sample ---------------------------------------------------------------------
 
     def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
-               timeout: float, prioritized: bool = False) -> dict[str, np.ndarray]:
+               extras: bool, timeout: float, deadline: float) -> dict[str, np.ndarray]:
         """Sample into a free result segment; return arrays viewing it (no copy).
 
-        ``prioritized``: leave room for the extra keys (``weights``,
-        ``indices``) after the columns; they are returned if the server wrote them.
+        ``extras``: leave room for the extra keys of a prioritized buffer
+        (``weights``, ``indices``) after the columns; they are returned if the
+        server wrote them.
         """
-        _, _, size = protocol.sample_layout(schema, batch_size, prioritized)
+        _, _, size = protocol.sample_layout(schema, batch_size, extras)
         with self._lock:
-            self._set_timeout(timeout)
+            self._set_deadline(deadline)
             segment = self._free_result_segment(size)
             try:
                 reply, _ = self._request({"op": "sample", "buffer": buffer, "segment": segment.id,
                                           "offset": 0, "batch_size": batch_size, "seed": seed,
-                                          "timeout": wait_budget(timeout)})
+                                          "timeout": timeout})
             except BaseException:
                 segment.free = True
                 raise
@@ -251,7 +261,7 @@ class ShmSession:
         """Close the connection; arrays already handed out stay valid."""
         with self._lock:
             if self._push_segment is not None:
-                self._push_segment[1].close()
+                _close_quietly(self._push_segment[1])
                 self._push_segment = None
             self._results.clear()  # maps close when their last array goes
             self._sock.close()
@@ -261,16 +271,17 @@ class ResultPoolExhausted(Exception):
     """Too many live sample results to give another one its own segment."""
 
 
-def wait_budget(timeout: float) -> float:
-    """How long the server may wait for a rate limiter within a call of ``timeout``
-    seconds: a little less, so that its clear error arrives before ours."""
-    return max(0.0, timeout - min(0.05, timeout / 10))
-
-
 def _write_vector(mm: mmap.mmap, offset: int, values: np.ndarray, dtype: np.dtype) -> list:
     """Copy ``values`` into ``mm`` at ``offset``; return its ``[offset, dtype, [n]]`` entry."""
     np.copyto(np.frombuffer(mm, dtype, len(values), offset), values, casting="no")
     return [offset, dtype.str, [len(values)]]
+
+
+def _close_quietly(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        pass  # a view (e.g. in a traceback) is still alive: the map goes when it does
 
 
 def _mark_free(segment: _ResultSegment) -> None:

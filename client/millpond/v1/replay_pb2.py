@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18millpond/v1/replay.proto\x12\x0bmillpond.v1\"7\n\tFieldSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xec\x01\n\x0c\x42ufferConfig\x12\x14\n\x0chot_capacity\x18\x01 \x01(\x03\x12\x16\n\x0etotal_capacity\x18\x02 \x01(\x03\x12&\n\x06\x66ields\x18\x03 \x03(\x0b\x32\x16.millpond.v1.FieldSpec\x12-\n\x0bprioritized\x18\x04 \x01(\x0b\x32\x18.millpond.v1.Prioritized\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x19\n\x11max_times_sampled\x18\x06 \x01(\x03\x12.\n\x0crate_limiter\x18\x07 \x01(\x0b\x32\x18.millpond.v1.RateLimiter\"i\n\x0bRateLimiter\x12\x1a\n\x12samples_per_insert\x18\x01 \x01(\x01\x12\x1a\n\x12min_size_to_sample\x18\x02 \x01(\x03\x12\x10\n\x08min_diff\x18\x03 \x01(\x01\x12\x10\n\x08max_diff\x18\x04 \x01(\x01\"*\n\x0bPrioritized\x12\r\n\x05\x61lpha\x18\x01 \x01(\x01\x12\x0c\n\x04\x62\x65ta\x18\x02 \x01(\x01\"B\n\x06\x43olumn\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"-\n\x05\x42\x61tch\x12$\n\x07\x63olumns\x18\x01 \x03(\x0b\x32\x13.millpond.v1.Column\"H\n\rCreateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x19.millpond.v1.BufferConfig\"?\n\x0bPushRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x06record\x18\x02 \x01(\x0b\x32\x12.millpond.v1.Batch\"W\n\x10PushBatchRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x12.millpond.v1.Batch\x12\x12\n\npriorities\x18\x03 \x03(\x01\")\n\tPushReply\x12\x0c\n\x04size\x18\x01 \x01(\x03\x12\x0e\n\x06pushed\x18\x02 \x01(\x03\"M\n\rSampleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x03\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"0\n\x0bSampleReply\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.millpond.v1.Batch\"\x1c\n\x0c\x43loseRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x0c\n\nCloseReply\"\x1b\n\x0bInfoRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x88\x03\n\nBufferInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x19.millpond.v1.BufferConfig\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0e\n\x06pushed\x18\x04 \x01(\x03\x12\x10\n\x08hot_size\x18\x05 \x01(\x03\x12\x11\n\tcold_size\x18\x06 \x01(\x03\x12\x15\n\rrecord_nbytes\x18\x07 \x01(\x03\x12\x11\n\tcold_path\x18\x08 \x01(\t\x12\x0f\n\x07inserts\x18\t \x01(\x03\x12\x0f\n\x07samples\x18\n \x01(\x03\x12\x14\n\x0cinsert_waits\x18\x0b \x01(\x03\x12\x14\n\x0csample_waits\x18\x0c \x01(\x03\x12\x1b\n\x13insert_wait_seconds\x18\r \x01(\x01\x12\x1b\n\x13sample_wait_seconds\x18\x0e \x01(\x01\x12\x1a\n\x12samples_per_insert\x18\x0f \x01(\x01\x12\x17\n\x0fwaiting_inserts\x18\x10 \x01(\x03\x12\x17\n\x0fwaiting_samples\x18\x11 \x01(\x03\"\r\n\x0bListRequest\"5\n\tListReply\x12(\n\x07\x62uffers\x18\x01 \x03(\x0b\x32\x17.millpond.v1.BufferInfo\"#\n\x10NegotiateRequest\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\"[\n\x0eNegotiateReply\x12\x0b\n\x03shm\x18\x01 \x01(\x08\x12\x0e\n\x06socket\x18\x02 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\x12\x0b\n\x03uid\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\"L\n\x17UpdatePrioritiesRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\x03\x12\x12\n\npriorities\x18\x03 \x03(\x01\"(\n\x15UpdatePrioritiesReply\x12\x0f\n\x07updated\x18\x01 \x01(\x03\",\n\x0eSetBetaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x62\x65ta\x18\x02 \x01(\x01\"\x0e\n\x0cSetBetaReply2\xa1\x05\n\x06Replay\x12=\n\x06\x43reate\x12\x1a.millpond.v1.CreateRequest\x1a\x17.millpond.v1.BufferInfo\x12\x38\n\x04Push\x12\x18.millpond.v1.PushRequest\x1a\x16.millpond.v1.PushReply\x12\x42\n\tPushBatch\x12\x1d.millpond.v1.PushBatchRequest\x1a\x16.millpond.v1.PushReply\x12>\n\x06Sample\x12\x1a.millpond.v1.SampleRequest\x1a\x18.millpond.v1.SampleReply\x12;\n\x05\x43lose\x12\x19.millpond.v1.CloseRequest\x1a\x17.millpond.v1.CloseReply\x12\x39\n\x04Info\x12\x18.millpond.v1.InfoRequest\x1a\x17.millpond.v1.BufferInfo\x12\x38\n\x04List\x12\x18.millpond.v1.ListRequest\x1a\x16.millpond.v1.ListReply\x12G\n\tNegotiate\x12\x1d.millpond.v1.NegotiateRequest\x1a\x1b.millpond.v1.NegotiateReply\x12\\\n\x10UpdatePriorities\x12$.millpond.v1.UpdatePrioritiesRequest\x1a\".millpond.v1.UpdatePrioritiesReply\x12\x41\n\x07SetBeta\x12\x1b.millpond.v1.SetBetaRequest\x1a\x19.millpond.v1.SetBetaReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18millpond/v1/replay.proto\x12\x0bmillpond.v1\"7\n\tFieldSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xec\x01\n\x0c\x42ufferConfig\x12\x14\n\x0chot_capacity\x18\x01 \x01(\x03\x12\x16\n\x0etotal_capacity\x18\x02 \x01(\x03\x12&\n\x06\x66ields\x18\x03 \x03(\x0b\x32\x16.millpond.v1.FieldSpec\x12-\n\x0bprioritized\x18\x04 \x01(\x0b\x32\x18.millpond.v1.Prioritized\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x19\n\x11max_times_sampled\x18\x06 \x01(\x03\x12.\n\x0crate_limiter\x18\x07 \x01(\x0b\x32\x18.millpond.v1.RateLimiter\"i\n\x0bRateLimiter\x12\x1a\n\x12samples_per_insert\x18\x01 \x01(\x01\x12\x1a\n\x12min_size_to_sample\x18\x02 \x01(\x03\x12\x10\n\x08min_diff\x18\x03 \x01(\x01\x12\x10\n\x08max_diff\x18\x04 \x01(\x01\"*\n\x0bPrioritized\x12\r\n\x05\x61lpha\x18\x01 \x01(\x01\x12\x0c\n\x04\x62\x65ta\x18\x02 \x01(\x01\"B\n\x06\x43olumn\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"-\n\x05\x42\x61tch\x12$\n\x07\x63olumns\x18\x01 \x03(\x0b\x32\x13.millpond.v1.Column\"H\n\rCreateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x19.millpond.v1.BufferConfig\"E\n\x0b\x43reateReply\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.millpond.v1.BufferInfo\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"a\n\x0bPushRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x06record\x18\x02 \x01(\x0b\x32\x12.millpond.v1.Batch\x12\x14\n\x07timeout\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\n\n\x08_timeout\"y\n\x10PushBatchRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x12.millpond.v1.Batch\x12\x12\n\npriorities\x18\x03 \x03(\x01\x12\x14\n\x07timeout\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\n\n\x08_timeout\")\n\tPushReply\x12\x0c\n\x04size\x18\x01 \x01(\x03\x12\x0e\n\x06pushed\x18\x02 \x01(\x03\"o\n\rSampleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x03\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x07timeout\x18\x04 \x01(\x01H\x01\x88\x01\x01\x42\x07\n\x05_seedB\n\n\x08_timeout\"0\n\x0bSampleReply\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.millpond.v1.Batch\"\x1c\n\x0c\x43loseRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x0c\n\nCloseReply\"\x1b\n\x0bInfoRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xdc\x03\n\nBufferInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x19.millpond.v1.BufferConfig\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0e\n\x06pushed\x18\x04 \x01(\x03\x12\x10\n\x08hot_size\x18\x05 \x01(\x03\x12\x11\n\tcold_size\x18\x06 \x01(\x03\x12\x15\n\rrecord_nbytes\x18\x07 \x01(\x03\x12\x0c\n\x04path\x18\x08 \x01(\t\x12\x0f\n\x07inserts\x18\t \x01(\x03\x12\x0f\n\x07samples\x18\n \x01(\x03\x12\x14\n\x0cinsert_waits\x18\x0b \x01(\x03\x12\x14\n\x0csample_waits\x18\x0c \x01(\x03\x12\x1b\n\x13insert_wait_seconds\x18\r \x01(\x01\x12\x1b\n\x13sample_wait_seconds\x18\x0e \x01(\x01\x12\x1a\n\x12samples_per_insert\x18\x0f \x01(\x01\x12\x17\n\x0fwaiting_inserts\x18\x10 \x01(\x03\x12\x17\n\x0fwaiting_samples\x18\x11 \x01(\x03\x12\x0f\n\x07\x64\x61maged\x18\x12 \x01(\x03\x12\x11\n\x04\x62\x65ta\x18\x13 \x01(\x01H\x00\x88\x01\x01\x12\x19\n\x0cmax_priority\x18\x14 \x01(\x01H\x01\x88\x01\x01\x42\x07\n\x05_betaB\x0f\n\r_max_priority\"\r\n\x0bListRequest\"5\n\tListReply\x12(\n\x07\x62uffers\x18\x01 \x03(\x0b\x32\x17.millpond.v1.BufferInfo\"#\n\x10NegotiateRequest\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\"[\n\x0eNegotiateReply\x12\x0b\n\x03shm\x18\x01 \x01(\x08\x12\x0e\n\x06socket\x18\x02 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\x12\x0b\n\x03uid\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\"L\n\x17UpdatePrioritiesRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\x03\x12\x12\n\npriorities\x18\x03 \x03(\x01\"(\n\x15UpdatePrioritiesReply\x12\x0f\n\x07updated\x18\x01 \x01(\x03\",\n\x0eSetBetaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x62\x65ta\x18\x02 \x01(\x01\"\x0e\n\x0cSetBetaReply2\xa2\x05\n\x06Replay\x12>\n\x06\x43reate\x12\x1a.millpond.v1.CreateRequest\x1a\x18.millpond.v1.CreateReply\x12\x38\n\x04Push\x12\x18.millpond.v1.PushRequest\x1a\x16.millpond.v1.PushReply\x12\x42\n\tPushBatch\x12\x1d.millpond.v1.PushBatchRequest\x1a\x16.millpond.v1.PushReply\x12>\n\x06Sample\x12\x1a.millpond.v1.SampleRequest\x1a\x18.millpond.v1.SampleReply\x12;\n\x05\x43lose\x12\x19.millpond.v1.CloseRequest\x1a\x17.millpond.v1.CloseReply\x12\x39\n\x04Info\x12\x18.millpond.v1.InfoRequest\x1a\x17.millpond.v1.BufferInfo\x12\x38\n\x04List\x12\x18.millpond.v1.ListRequest\x1a\x16.millpond.v1.ListReply\x12G\n\tNegotiate\x12\x1d.millpond.v1.NegotiateRequest\x1a\x1b.millpond.v1.NegotiateReply\x12\\\n\x10UpdatePriorities\x12$.millpond.v1.UpdatePrioritiesRequest\x1a\".millpond.v1.UpdatePrioritiesReply\x12\x41\n\x07SetBeta\x12\x1b.millpond.v1.SetBetaRequest\x1a\x19.millpond.v1.SetBetaReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,40 +45,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BATCH']._serialized_end=601
   _globals['_CREATEREQUEST']._serialized_start=603
   _globals['_CREATEREQUEST']._serialized_end=675
-  _globals['_PUSHREQUEST']._serialized_start=677
-  _globals['_PUSHREQUEST']._serialized_end=740
-  _globals['_PUSHBATCHREQUEST']._serialized_start=742
-  _globals['_PUSHBATCHREQUEST']._serialized_end=829
-  _globals['_PUSHREPLY']._serialized_start=831
-  _globals['_PUSHREPLY']._serialized_end=872
-  _globals['_SAMPLEREQUEST']._serialized_start=874
-  _globals['_SAMPLEREQUEST']._serialized_end=951
-  _globals['_SAMPLEREPLY']._serialized_start=953
-  _globals['_SAMPLEREPLY']._serialized_end=1001
-  _globals['_CLOSEREQUEST']._serialized_start=1003
-  _globals['_CLOSEREQUEST']._serialized_end=1031
-  _globals['_CLOSEREPLY']._serialized_start=1033
-  _globals['_CLOSEREPLY']._serialized_end=1045
-  _globals['_INFOREQUEST']._serialized_start=1047
-  _globals['_INFOREQUEST']._serialized_end=1074
-  _globals['_BUFFERINFO']._serialized_start=1077
-  _globals['_BUFFERINFO']._serialized_end=1469
-  _globals['_LISTREQUEST']._serialized_start=1471
-  _globals['_LISTREQUEST']._serialized_end=1484
-  _globals['_LISTREPLY']._serialized_start=1486
-  _globals['_LISTREPLY']._serialized_end=1539
-  _globals['_NEGOTIATEREQUEST']._serialized_start=1541
-  _globals['_NEGOTIATEREQUEST']._serialized_end=1576
-  _globals['_NEGOTIATEREPLY']._serialized_start=1578
-  _globals['_NEGOTIATEREPLY']._serialized_end=1669
-  _globals['_UPDATEPRIORITIESREQUEST']._serialized_start=1671
-  _globals['_UPDATEPRIORITIESREQUEST']._serialized_end=1747
-  _globals['_UPDATEPRIORITIESREPLY']._serialized_start=1749
-  _globals['_UPDATEPRIORITIESREPLY']._serialized_end=1789
-  _globals['_SETBETAREQUEST']._serialized_start=1791
-  _globals['_SETBETAREQUEST']._serialized_end=1835
-  _globals['_SETBETAREPLY']._serialized_start=1837
-  _globals['_SETBETAREPLY']._serialized_end=1851
-  _globals['_REPLAY']._serialized_start=1854
-  _globals['_REPLAY']._serialized_end=2527
+  _globals['_CREATEREPLY']._serialized_start=677
+  _globals['_CREATEREPLY']._serialized_end=746
+  _globals['_PUSHREQUEST']._serialized_start=748
+  _globals['_PUSHREQUEST']._serialized_end=845
+  _globals['_PUSHBATCHREQUEST']._serialized_start=847
+  _globals['_PUSHBATCHREQUEST']._serialized_end=968
+  _globals['_PUSHREPLY']._serialized_start=970
+  _globals['_PUSHREPLY']._serialized_end=1011
+  _globals['_SAMPLEREQUEST']._serialized_start=1013
+  _globals['_SAMPLEREQUEST']._serialized_end=1124
+  _globals['_SAMPLEREPLY']._serialized_start=1126
+  _globals['_SAMPLEREPLY']._serialized_end=1174
+  _globals['_CLOSEREQUEST']._serialized_start=1176
+  _globals['_CLOSEREQUEST']._serialized_end=1204
+  _globals['_CLOSEREPLY']._serialized_start=1206
+  _globals['_CLOSEREPLY']._serialized_end=1218
+  _globals['_INFOREQUEST']._serialized_start=1220
+  _globals['_INFOREQUEST']._serialized_end=1247
+  _globals['_BUFFERINFO']._serialized_start=1250
+  _globals['_BUFFERINFO']._serialized_end=1726
+  _globals['_LISTREQUEST']._serialized_start=1728
+  _globals['_LISTREQUEST']._serialized_end=1741
+  _globals['_LISTREPLY']._serialized_start=1743
+  _globals['_LISTREPLY']._serialized_end=1796
+  _globals['_NEGOTIATEREQUEST']._serialized_start=1798
+  _globals['_NEGOTIATEREQUEST']._serialized_end=1833
+  _globals['_NEGOTIATEREPLY']._serialized_start=1835
+  _globals['_NEGOTIATEREPLY']._serialized_end=1926
+  _globals['_UPDATEPRIORITIESREQUEST']._serialized_start=1928
+  _globals['_UPDATEPRIORITIESREQUEST']._serialized_end=2004
+  _globals['_UPDATEPRIORITIESREPLY']._serialized_start=2006
+  _globals['_UPDATEPRIORITIESREPLY']._serialized_end=2046
+  _globals['_SETBETAREQUEST']._serialized_start=2048
+  _globals['_SETBETAREQUEST']._serialized_end=2092
+  _globals['_SETBETAREPLY']._serialized_start=2094
+  _globals['_SETBETAREPLY']._serialized_end=2108
+  _globals['_REPLAY']._serialized_start=2111
+  _globals['_REPLAY']._serialized_end=2785
 # @@protoc_insertion_point(module_scope)

@@ -80,23 +80,35 @@ class CreateRequest(_message.Message):
     config: BufferConfig
     def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ...) -> None: ...
 
+class CreateReply(_message.Message):
+    __slots__ = ("info", "created")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    info: BufferInfo
+    created: bool
+    def __init__(self, info: _Optional[_Union[BufferInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
 class PushRequest(_message.Message):
-    __slots__ = ("name", "record")
+    __slots__ = ("name", "record", "timeout")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     record: Batch
-    def __init__(self, name: _Optional[str] = ..., record: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+    timeout: float
+    def __init__(self, name: _Optional[str] = ..., record: _Optional[_Union[Batch, _Mapping]] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class PushBatchRequest(_message.Message):
-    __slots__ = ("name", "batch", "priorities")
+    __slots__ = ("name", "batch", "priorities", "timeout")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     batch: Batch
     priorities: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, name: _Optional[str] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., priorities: _Optional[_Iterable[float]] = ...) -> None: ...
+    timeout: float
+    def __init__(self, name: _Optional[str] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., priorities: _Optional[_Iterable[float]] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("size", "pushed")
@@ -107,14 +119,16 @@ class PushReply(_message.Message):
     def __init__(self, size: _Optional[int] = ..., pushed: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("name", "batch_size", "seed")
+    __slots__ = ("name", "batch_size", "seed", "timeout")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     batch_size: int
     seed: int
-    def __init__(self, name: _Optional[str] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    timeout: float
+    def __init__(self, name: _Optional[str] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class SampleReply(_message.Message):
     __slots__ = ("batch",)
@@ -139,7 +153,7 @@ class InfoRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class BufferInfo(_message.Message):
-    __slots__ = ("name", "config", "size", "pushed", "hot_size", "cold_size", "record_nbytes", "cold_path", "inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds", "sample_wait_seconds", "samples_per_insert", "waiting_inserts", "waiting_samples")
+    __slots__ = ("name", "config", "size", "pushed", "hot_size", "cold_size", "record_nbytes", "path", "inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds", "sample_wait_seconds", "samples_per_insert", "waiting_inserts", "waiting_samples", "damaged", "beta", "max_priority")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -147,7 +161,7 @@ class BufferInfo(_message.Message):
     HOT_SIZE_FIELD_NUMBER: _ClassVar[int]
     COLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RECORD_NBYTES_FIELD_NUMBER: _ClassVar[int]
-    COLD_PATH_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     INSERTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     INSERT_WAITS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +171,9 @@ class BufferInfo(_message.Message):
     SAMPLES_PER_INSERT_FIELD_NUMBER: _ClassVar[int]
     WAITING_INSERTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DAMAGED_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    MAX_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     config: BufferConfig
     size: int
@@ -164,7 +181,7 @@ class BufferInfo(_message.Message):
     hot_size: int
     cold_size: int
     record_nbytes: int
-    cold_path: str
+    path: str
     inserts: int
     samples: int
     insert_waits: int
@@ -174,7 +191,10 @@ class BufferInfo(_message.Message):
     samples_per_insert: float
     waiting_inserts: int
     waiting_samples: int
-    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ..., size: _Optional[int] = ..., pushed: _Optional[int] = ..., hot_size: _Optional[int] = ..., cold_size: _Optional[int] = ..., record_nbytes: _Optional[int] = ..., cold_path: _Optional[str] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., insert_waits: _Optional[int] = ..., sample_waits: _Optional[int] = ..., insert_wait_seconds: _Optional[float] = ..., sample_wait_seconds: _Optional[float] = ..., samples_per_insert: _Optional[float] = ..., waiting_inserts: _Optional[int] = ..., waiting_samples: _Optional[int] = ...) -> None: ...
+    damaged: int
+    beta: float
+    max_priority: float
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ..., size: _Optional[int] = ..., pushed: _Optional[int] = ..., hot_size: _Optional[int] = ..., cold_size: _Optional[int] = ..., record_nbytes: _Optional[int] = ..., path: _Optional[str] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., insert_waits: _Optional[int] = ..., sample_waits: _Optional[int] = ..., insert_wait_seconds: _Optional[float] = ..., sample_wait_seconds: _Optional[float] = ..., samples_per_insert: _Optional[float] = ..., waiting_inserts: _Optional[int] = ..., waiting_samples: _Optional[int] = ..., damaged: _Optional[int] = ..., beta: _Optional[float] = ..., max_priority: _Optional[float] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ()

@@ -1,4 +1,4 @@
-"""numpy batches <-> protocol messages.
+"""numpy batches, buffer configs and infos <-> protocol messages.
 
 A column is dtype + shape + raw little-endian bytes. Decoding is
 ``np.frombuffer`` on the received bytes (no copy, no pickle, no object dtype),
@@ -13,12 +13,12 @@ from typing import Mapping
 
 import numpy as np
 
-from ..core.buffer import DEFAULT_SAMPLING, Sampling
+from ..core.config import BufferConfig, Prioritized
+from ..core.info import COUNTERS, PRIORITY_STATE, BufferInfo
 from ..core.ratelimit import RateLimiter
 from ..core.schema import Schema, plain_dtype
 from ..errors import DTypeMismatchError, InvalidConfigError, ShapeMismatchError
 from ..v1 import replay_pb2 as pb
-
 
 
 def encode_batch(columns: Mapping[str, np.ndarray]) -> pb.Batch:
@@ -63,52 +63,60 @@ def check_column(name: str, dtype: str, shape: tuple[int, ...], nbytes: int
     return dt, shape
 
 
-def encode_config(schema: Schema, hot_capacity: int, total_capacity: int,
-                  prioritized: tuple[float, float] | None = None,
-                  sampling: Sampling = DEFAULT_SAMPLING) -> pb.BufferConfig:
-    """``prioritized``: ``(alpha, beta)`` for a prioritized buffer, None for uniform.
-    ``sampling``: ``(mode, max_times_sampled, rate_limiter)``."""
-    config = pb.BufferConfig(
-        hot_capacity=hot_capacity,
-        total_capacity=total_capacity,
-        fields=[pb.FieldSpec(name=f.name, dtype=f.dtype.str, shape=f.shape) for f in schema],
+def config_to_proto(config: BufferConfig) -> pb.BufferConfig:
+    """A :class:`BufferConfig` as the protocol's ``BufferConfig`` message."""
+    message = pb.BufferConfig(
+        hot_capacity=config.hot_capacity,
+        total_capacity=config.total_capacity,
+        fields=[pb.FieldSpec(name=f.name, dtype=f.dtype.str, shape=f.shape) for f in config.schema],
+        mode="" if config.mode == "replay" else config.mode,
+        max_times_sampled=config.max_times_sampled or 0,
     )
-    if prioritized is not None:
-        config.prioritized.alpha, config.prioritized.beta = prioritized
-    mode, max_times_sampled, limiter = sampling
-    config.mode = "" if mode == "replay" else mode
-    config.max_times_sampled = max_times_sampled or 0
+    if config.prioritized is not None:
+        message.prioritized.alpha = config.prioritized.alpha
+        message.prioritized.beta = config.prioritized.beta
+    limiter = config.rate_limiter
     if limiter is not None:
-        config.rate_limiter.CopyFrom(pb.RateLimiter(
+        message.rate_limiter.CopyFrom(pb.RateLimiter(
             samples_per_insert=limiter.samples_per_insert,
             min_size_to_sample=limiter.min_size_to_sample,
             min_diff=limiter.min_diff, max_diff=limiter.max_diff))
-    return config
+    return message
 
 
-def decode_prioritized(config: pb.BufferConfig) -> tuple[float, float] | None:
-    """``(alpha, beta)`` of a prioritized buffer's config, None for uniform."""
-    if not config.HasField("prioritized"):
-        return None
-    return config.prioritized.alpha, config.prioritized.beta
-
-
-def decode_sampling(config: pb.BufferConfig) -> Sampling:
-    """``(mode, max_times_sampled, rate_limiter)``; raises InvalidConfigError."""
-    limiter = None
-    if config.HasField("rate_limiter"):
-        r = config.rate_limiter
-        limiter = RateLimiter(r.samples_per_insert, r.min_size_to_sample, r.min_diff, r.max_diff)
-    return config.mode or "replay", config.max_times_sampled or None, limiter
-
-
-def decode_config(config: pb.BufferConfig) -> tuple[Schema, int, int]:
-    """Return (schema, hot_capacity, total_capacity); raises InvalidConfigError."""
-    if not config.fields:
+def config_from_proto(message: pb.BufferConfig) -> BufferConfig:
+    """The :class:`BufferConfig` a message describes; raises InvalidConfigError."""
+    if not message.fields:
         raise InvalidConfigError("buffer config has no fields")
-    spec = {f.name: (f.dtype, tuple(f.shape)) for f in config.fields}
-    if len(spec) != len(config.fields):
+    spec = {f.name: (f.dtype, tuple(f.shape)) for f in message.fields}
+    if len(spec) != len(message.fields):
         raise InvalidConfigError("buffer config repeats a field name")
-    return Schema.from_spec(spec), config.hot_capacity, config.total_capacity
+    limiter = None
+    if message.HasField("rate_limiter"):
+        r = message.rate_limiter
+        limiter = RateLimiter(r.samples_per_insert, r.min_size_to_sample, r.min_diff, r.max_diff)
+    prioritized = None
+    if message.HasField("prioritized"):
+        prioritized = Prioritized(message.prioritized.alpha, message.prioritized.beta)
+    return BufferConfig(Schema.from_spec(spec), message.hot_capacity, message.total_capacity,
+                        message.mode or "replay", message.max_times_sampled or None, limiter,
+                        prioritized)
 
 
+def info_to_proto(info: BufferInfo) -> pb.BufferInfo:
+    """A :class:`BufferInfo` as the protocol's message (every counter by name)."""
+    message = pb.BufferInfo(name=info.name or "", config=config_to_proto(info.config),
+                            path=info.path or "", record_nbytes=info.record_nbytes,
+                            **{key: info[key] for key in COUNTERS})
+    for key in PRIORITY_STATE:
+        if info[key] is not None:
+            setattr(message, key, info[key])
+    return message
+
+
+def info_from_proto(message: pb.BufferInfo) -> BufferInfo:
+    return BufferInfo(config_from_proto(message.config), name=message.name or None,
+                      path=message.path or None,
+                      **{key: getattr(message, key) if message.HasField(key) else None
+                         for key in PRIORITY_STATE},
+                      **{key: getattr(message, key) for key in COUNTERS})

@@ -16,6 +16,7 @@ raises a typed error instead of reading out of bounds.
 
 from __future__ import annotations
 
+import struct
 from typing import Iterator, Mapping
 
 import numpy as np
@@ -28,6 +29,7 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 # Field numbers of the Batch inside the bulk messages (see replay.proto).
 PUSH_BATCH_FIELD = 2   # PushBatchRequest.batch
 PUSH_PRIORITIES_FIELD = 3  # PushBatchRequest.priorities (packed doubles)
+PUSH_TIMEOUT_FIELD = 4  # PushBatchRequest.timeout (optional double)
 SAMPLE_BATCH_FIELD = 1  # SampleReply.batch
 
 
@@ -76,11 +78,12 @@ def _batch_parts(columns: Mapping[str, np.ndarray]) -> tuple[list, int]:
 
 
 def encode_with_batch(batch_field: int, columns: Mapping[str, np.ndarray],
-                      name: str | None = None, priorities: np.ndarray | None = None) -> bytes:
+                      name: str | None = None, priorities: np.ndarray | None = None,
+                      timeout: float | None = None) -> bytes:
     """A message whose field 1 is ``name`` (if given) and ``batch_field`` a Batch.
 
-    ``encode_with_batch(2, cols, name, priorities)`` is a ``PushBatchRequest``;
-    ``encode_with_batch(1, cols)`` is a ``SampleReply``.
+    ``encode_with_batch(2, cols, name, priorities, timeout)`` is a
+    ``PushBatchRequest``; ``encode_with_batch(1, cols)`` is a ``SampleReply``.
     """
     parts, length = _batch_parts(columns)
     head = b""
@@ -91,6 +94,8 @@ def encode_with_batch(batch_field: int, columns: Mapping[str, np.ndarray],
     if priorities is not None and len(priorities):
         packed = np.ascontiguousarray(priorities, "<f8").tobytes()
         parts += [_len_prefix(PUSH_PRIORITIES_FIELD, len(packed)), packed]
+    if timeout is not None:
+        parts += [_varint(PUSH_TIMEOUT_FIELD << 3 | _I64), struct.pack("<d", timeout)]
     return b"".join([head, *parts])
 
 
@@ -207,6 +212,15 @@ def decode_doubles(message: bytes | memoryview, field_number: int) -> np.ndarray
         elif wire_type == _I64:
             chunks.append(np.frombuffer(value, "<f8"))
     return np.concatenate(chunks) if chunks else np.empty(0, np.float64)
+
+
+def decode_double(message: bytes | memoryview, field_number: int) -> float | None:
+    """An optional double field of ``message`` (the last one wins), or None if absent."""
+    value = None
+    for field, wire_type, raw in iter_fields(memoryview(message)):
+        if field == field_number and wire_type == _I64:
+            value = struct.unpack("<d", raw)[0]
+    return value
 
 
 def decode_name(message: bytes | memoryview) -> str:

@@ -1,0 +1,69 @@
+"""Checks of call arguments, shared by every layer that takes them from users.
+
+The engine, the remote client and the server all call these, so a bad
+argument raises the same typed error wherever it is caught first.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError, InvalidBatchSizeError
+
+
+def check_batch_size(batch_size: Any) -> int:
+    """Return ``batch_size`` as an int, or raise InvalidBatchSizeError."""
+    if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool):
+        raise InvalidBatchSizeError(f"batch_size must be an integer, got {batch_size!r}")
+    if batch_size <= 0:
+        raise InvalidBatchSizeError(f"batch_size must be > 0, got {batch_size}")
+    return int(batch_size)
+
+
+def check_seed(seed: Any) -> int | None:
+    """Return ``seed`` (None, or an int in [0, 2**64)), or raise InvalidArgumentError."""
+    if seed is None:
+        return None
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+        raise InvalidArgumentError(f"seed must be None or an integer in [0, 2**64), got {seed!r}")
+    return int(seed)
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """Return ``timeout`` (None, or finite seconds >= 0) as a float, or raise InvalidArgumentError."""
+    if timeout is None:
+        return None
+    if (not isinstance(timeout, numbers.Real) or isinstance(timeout, bool)
+            or not 0 <= timeout < float("inf")):
+        raise InvalidArgumentError(
+            f"timeout must be None or a finite number of seconds >= 0, got {timeout!r}")
+    return float(timeout)
+
+
+def check_priorities(priorities: Any, n: int) -> np.ndarray:
+    """``priorities`` as float64[n], or InvalidArgumentError (negative, NaN, inf, shape)."""
+    try:
+        values = np.asarray(priorities, np.float64).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"priorities must be numbers: {exc}") from exc
+    if values.shape != (n,):
+        raise InvalidArgumentError(f"expected {n} priorities, got {values.size}")
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise InvalidArgumentError("priorities must be finite and >= 0 (no NaN, no negatives)")
+    return values
+
+
+def check_indices(indices: Any) -> np.ndarray:
+    """``indices`` (the ``indices`` a sample returned) as int64[n], or InvalidArgumentError."""
+    try:
+        values = np.asarray(indices)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"indices must be integers: {exc}") from exc
+    if values.size and values.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"indices must be integers, got dtype {values.dtype}")
+    if values.dtype.kind == "u" and values.size and values.max() > np.iinfo(np.int64).max:
+        raise InvalidArgumentError("indices out of range")
+    return values.astype(np.int64).reshape(-1)

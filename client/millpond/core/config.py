@@ -1,0 +1,224 @@
+"""A buffer's configuration: one immutable value, checked once, compared with ``==``.
+
+Every way of making a buffer ends here: the constructor classes, the
+client's ``create_buffer``, the Create RPC (:mod:`millpond.wire.codec`), the
+server's TOML file and the buffer file's metadata. :meth:`BufferConfig.build`
+is the one place where capacities and schemas are resolved from the
+user-facing arguments; :class:`BufferConfig` itself validates the result.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping
+
+from ..errors import InvalidConfigError
+from .ratelimit import Queue, RateLimiter
+from .schema import Schema
+
+MODES = ("replay", "queue", "stack")
+
+
+def _positive_int(label: str, value: Any) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+        raise InvalidConfigError(f"{label} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_exponent(label: str, value: Any) -> float:
+    """``value`` as a finite float >= 0 (alpha, beta), or InvalidConfigError."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 <= value < math.inf:
+        raise InvalidConfigError(f"{label} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Prioritized:
+    """Proportional prioritized sampling: ``P(i) ~ priority_i ** alpha``.
+
+    ``beta`` is the importance-sampling exponent at creation. Learners anneal
+    it (``set_beta``), so it is not part of a buffer's identity: two configs
+    that differ only in ``beta`` compare equal.
+    """
+
+    alpha: float = 0.6
+    beta: float = field(default=0.4, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "alpha", check_exponent("alpha", self.alpha))
+        object.__setattr__(self, "beta", check_exponent("beta", self.beta))
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """What a buffer is: its records, capacities and how it is sampled.
+
+    * ``schema``: the fields of a record;
+    * ``hot_capacity`` records in RAM, ``total_capacity`` in all (the rest in
+      the cold tier; equal means RAM only);
+    * ``mode``: ``"replay"`` (draw with replacement), ``"queue"`` (return and
+      remove the oldest) or ``"stack"`` (the newest);
+    * ``max_times_sampled``: replay mode only, a record leaves after its n-th
+      draw (None: never; 0 is read as None);
+    * ``rate_limiter``: when pushes and samples may proceed; queues and
+      stacks default to ``Queue(total_capacity)``;
+    * ``prioritized``: proportional prioritized sampling (replay mode), or
+      None for uniform.
+
+    Construction validates and normalizes, so equal buffers have equal
+    configs (compare with ``==``; ``beta`` excepted, see :class:`Prioritized`).
+    """
+
+    schema: Schema
+    hot_capacity: int
+    total_capacity: int
+    mode: str = "replay"
+    max_times_sampled: int | None = None
+    rate_limiter: RateLimiter | None = None
+    prioritized: Prioritized | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.schema, Schema):
+            raise InvalidConfigError(f"schema must be a millpond Schema, got {self.schema!r}")
+        hot = _positive_int("hot_capacity", self.hot_capacity)
+        total = _positive_int("total_capacity", self.total_capacity)
+        if total < hot:
+            raise InvalidConfigError(
+                f"total_capacity ({total}) must be >= hot_capacity ({hot})")
+        if self.mode not in MODES:
+            raise InvalidConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        limit = self.max_times_sampled
+        if limit is not None:
+            if not isinstance(limit, numbers.Integral) or isinstance(limit, bool) or limit < 0:
+                raise InvalidConfigError(
+                    f"max_times_sampled must be an integer >= 0 (0: unlimited), got {limit!r}")
+            limit = int(limit) or None
+        if limit is not None and self.mode != "replay":
+            raise InvalidConfigError(f"a {self.mode} removes every record it returns: "
+                                     "max_times_sampled is for mode='replay'")
+        limiter = self.rate_limiter
+        if isinstance(limiter, Mapping):
+            limiter = RateLimiter.from_dict(limiter)
+        if limiter is not None and not isinstance(limiter, RateLimiter):
+            raise InvalidConfigError(
+                "rate_limiter must come from millpond.MinSize, SampleToInsertRatio or Queue")
+        if limiter is None and self.mode != "replay":
+            limiter = Queue(total)
+        if self.prioritized is not None:
+            if not isinstance(self.prioritized, Prioritized):
+                raise InvalidConfigError(f"prioritized must be a Prioritized, got {self.prioritized!r}")
+            if self.mode != "replay":
+                raise InvalidConfigError("a prioritized buffer samples in mode='replay' only")
+        for name, value in (("hot_capacity", hot), ("total_capacity", total),
+                            ("max_times_sampled", limit), ("rate_limiter", limiter)):
+            object.__setattr__(self, name, value)
+
+    # ---- the one resolution of user-facing arguments -----------------------------
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        capacity: Any = None,
+        hot_capacity: Any = None,
+        total_capacity: Any = None,
+        obs_dim: Any = None,
+        act_dim: Any = None,
+        fields: Any = None,
+        mode: str = "replay",
+        max_times_sampled: Any = None,
+        rate_limiter: Any = None,
+        prioritized: bool | Prioritized = False,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+    ) -> "BufferConfig":
+        """The config for the arguments users give (constructors, ``create_buffer``, TOML).
+
+        Capacities: ``capacity=N`` alone is RAM only (``hot = total = N``);
+        ``total_capacity`` with ``hot_capacity`` adds a cold tier;
+        ``total_capacity`` alone is RAM only too. Schema: ``fields``
+        (``{name: (dtype, shape)}`` or a Schema) or ``obs_dim`` + ``act_dim``
+        (the reference's transitions). ``prioritized=True`` uses ``alpha``
+        and ``beta``.
+        """
+        hot, total = resolve_capacities(capacity, hot_capacity, total_capacity)
+        if prioritized is True:
+            prioritized = Prioritized(alpha, beta)
+        elif prioritized is False or prioritized is None:
+            prioritized = None
+        return cls(Schema.resolve(obs_dim, act_dim, fields), hot, total, mode,
+                   max_times_sampled, rate_limiter, prioritized)
+
+    # ---- derived values --------------------------------------------------------------
+
+    @property
+    def cold_capacity(self) -> int:
+        return self.total_capacity - self.hot_capacity
+
+    @property
+    def removes(self) -> bool:
+        """Whether sampling removes what it returns (queue, stack)."""
+        return self.mode != "replay"
+
+    def with_beta(self, beta: float) -> "BufferConfig":
+        """The same config with another creation ``beta`` (prioritized buffers)."""
+        if self.prioritized is None:
+            return self
+        return replace(self, prioritized=replace(self.prioritized, beta=beta))
+
+    # ---- comparison, for attaching ----------------------------------------------------
+
+    def differences(self, other: "BufferConfig") -> list[tuple[str, str, str]]:
+        """``(setting, self's value, other's value)`` for each setting that differs."""
+        out = []
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                out.append((f.name, _describe(mine), _describe(theirs)))
+        return out
+
+    # ---- the buffer file's metadata ---------------------------------------------------
+
+    def sampling_meta(self) -> dict[str, Any]:
+        """How the buffer samples, as its file records it (JSON-able)."""
+        prioritized = self.prioritized
+        return {
+            "mode": self.mode,
+            "max_times_sampled": self.max_times_sampled,
+            "rate_limiter": self.rate_limiter and self.rate_limiter.to_dict(),
+            "prioritized": prioritized and {"alpha": prioritized.alpha, "beta": prioritized.beta},
+        }
+
+    @classmethod
+    def from_file_meta(cls, meta: Mapping[str, Any], schema: Schema) -> "BufferConfig":
+        """The config a buffer file records (files older than a setting lack its key)."""
+        prioritized = meta.get("prioritized")
+        limiter = meta.get("rate_limiter")
+        return cls(schema, meta["hot_capacity"], meta["total_capacity"],
+                   meta.get("mode", "replay"), meta.get("max_times_sampled"),
+                   limiter and RateLimiter.from_dict(limiter),
+                   prioritized and Prioritized(prioritized["alpha"], prioritized["beta"]))
+
+
+def resolve_capacities(capacity: Any, hot_capacity: Any, total_capacity: Any) -> tuple[Any, Any]:
+    """``(hot, total)`` from ``capacity=`` or ``hot_capacity=``/``total_capacity=``.
+
+    Values are checked by :class:`BufferConfig`; this only decides which
+    argument means what.
+    """
+    if capacity is not None:
+        if hot_capacity is not None or total_capacity is not None:
+            raise InvalidConfigError("give capacity= or hot_capacity=/total_capacity=, not both")
+        return capacity, capacity
+    if total_capacity is None:
+        raise InvalidConfigError(
+            "give capacity= (RAM only), or total_capacity= with hot_capacity= for a cold tier")
+    return (total_capacity if hot_capacity is None else hot_capacity), total_capacity
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, RateLimiter):
+        return repr(value.to_dict())
+    return repr(value)

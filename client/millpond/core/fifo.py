@@ -1,0 +1,181 @@
+"""One FIFO of records over two tiers: the live ranges, how a push moves them, the commit.
+
+Every record gets a sequence number ``seq`` (0, 1, 2, ... in push order).
+The live records are ``[first, pushed)``; those from ``hot_lo`` on sit in the
+hot tier at ``seq % hot_capacity``, the older ones in the cold tier at
+``seq % cold_capacity``. A push computes, per batch, which seq ranges move
+hot -> cold and which go straight to each tier, and copies them as a few
+slices per field: never a loop over records.
+
+Not thread-safe: the buffer holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Protocol
+
+import numpy as np
+
+from .bufferfile import BufferFile
+from .schema import Schema
+from .tier import Tier
+
+
+class FifoListener(Protocol):
+    """What a drawing strategy hears of the FIFO's changes (lock held)."""
+
+    def evicting(self, lo: int, hi: int) -> None:
+        """Records ``[lo, hi)`` are about to leave (evicted, or taken by a queue)."""
+
+    def reusing(self, lo: int, hi: int) -> None:
+        """Records ``[lo, hi)`` are about to be written into the slots of evicted ones."""
+
+
+class Fifo:
+    """The live ranges ``[first, pushed)`` (hot from ``hot_lo``) and the tiers holding them.
+
+    A *durable* FIFO (a persistent buffer) records every change of its ranges
+    in its file (:meth:`BufferFile.commit`); ``sync_every_push`` also msyncs
+    each one. ``holes`` are live seqs that failed their checks at reopen:
+    never served, gone once evicted.
+    """
+
+    def __init__(self, schema: Schema, hot: Tier, cold: Tier | None, total_capacity: int,
+                 file: BufferFile | None, durable: bool, sync_every_push: bool = False):
+        self.schema = schema
+        self.hot = hot
+        self.cold = cold
+        self.hot_capacity = hot.capacity
+        self.total_capacity = total_capacity
+        self.file = file
+        self.durable = durable
+        self.sync_every_push = sync_every_push
+        self.pushed = self.first = self.hot_lo = 0
+        self.holes = np.empty(0, np.int64)
+        self.listener: FifoListener | None = None
+
+    @property
+    def size(self) -> int:
+        """Live records, less the holes."""
+        return self.pushed - self.first - len(self.holes)
+
+    def live(self) -> np.ndarray:
+        """Every live seq that is not a hole, oldest first."""
+        return np.setdiff1d(np.arange(self.first, self.pushed), self.holes, assume_unique=True)
+
+    def is_live(self, seqs: np.ndarray) -> np.ndarray:
+        """Which of ``seqs`` are live records (holes are not)."""
+        live = (seqs >= self.first) & (seqs < self.pushed)
+        if len(self.holes):
+            live &= ~np.isin(seqs, self.holes)
+        return live
+
+    # ---- writes ----------------------------------------------------------------
+
+    def append(self, n: int, batch: Mapping[str, np.ndarray]) -> tuple[int, int]:
+        """Store a validated batch of ``n`` records; return its seqs ``(old, new)``.
+
+        A durable FIFO commits in three steps, so that a crash at any point
+        leaves a consistent committed state: (1) the records this push evicts
+        are declared gone before their slots are reused; (2) hot records
+        moved to cold are declared cold before their hot slots are reused;
+        (3) the new records become live. A crash before (3) leaves the push
+        absent.
+        """
+        old, new = self.pushed, self.pushed + n
+        first = max(self.first, new - self.total_capacity)
+        hot_lo = max(self.hot_lo, new - self.hot_capacity)
+        self._commit(old, first, self.hot_lo)  # (1) evictions
+        if self.listener is not None:
+            self.listener.reusing(max(old, new - self.total_capacity), new)
+        if self.cold is not None:
+            # Hot records pushed out by this batch move to cold; a batch larger
+            # than the hot ring sends its own head straight to cold.
+            if max(first, self.hot_lo) < min(hot_lo, old):
+                self.hot.copy_to(self.cold, max(first, self.hot_lo), min(hot_lo, old))
+            if max(first, old) < hot_lo:
+                self.cold.write(max(first, old), hot_lo, batch, old)
+        self._commit(old, first, hot_lo)  # (2) spilled records now read from cold
+        self.hot.write(max(old, hot_lo), new, batch, old)
+        self._commit(new, first, hot_lo, always=True)  # (3) the push is in
+        return old, new
+
+    def take_oldest(self, k: int) -> np.ndarray:
+        """The ``k`` oldest live seqs, oldest first: what a queue takes (then :meth:`drop_through`)."""
+        span = np.arange(self.first, min(self.pushed, self.first + k + len(self.holes)))
+        return np.setdiff1d(span, self.holes, assume_unique=True)[:k]
+
+    def take_newest(self, k: int) -> np.ndarray:
+        """The ``k`` newest live seqs, newest first: what a stack takes (then :meth:`drop_from`)."""
+        span = np.arange(max(self.first, self.pushed - k - len(self.holes)), self.pushed)
+        return np.setdiff1d(span, self.holes, assume_unique=True)[-k:][::-1]
+
+    def drop_through(self, seq: int) -> None:
+        """Remove the oldest records up to and including ``seq`` (after a queue's gather)."""
+        self._commit(self.pushed, seq + 1, self.hot_lo, always=True)
+
+    def drop_from(self, seq: int) -> None:
+        """Remove the newest records from ``seq`` on (after a stack's gather)."""
+        self._commit(seq, self.first, self.hot_lo, always=True)
+
+    def _commit(self, pushed: int, first: int, hot_lo: int, always: bool = False) -> None:
+        """Adopt the live ranges; record them in the file if durable.
+
+        ``always``: record them in the file of a non-durable FIFO too (the
+        final step of each change keeps its header in step, for inspection).
+        """
+        first = min(first, pushed)
+        hot_lo = min(max(hot_lo, first), pushed)
+        if first > self.first and self.listener is not None:
+            self.listener.evicting(self.first, first)
+        self.pushed, self.first, self.hot_lo = pushed, first, hot_lo
+        if len(self.holes):  # damaged records leave with the evicted ones (or popped)
+            self.holes = self.holes[(self.holes >= first) & (self.holes < pushed)]
+        if self.file is not None and (self.durable or always):
+            self.file.commit(pushed, first, hot_lo)
+            if self.sync_every_push:
+                self.file.sync()
+
+    # ---- reads -----------------------------------------------------------------
+
+    def gather(self, seqs: np.ndarray, out: Mapping[str, np.ndarray] | None = None,
+               hot_first: bool = False) -> dict[str, np.ndarray]:
+        """Copy live records ``seqs`` into ``out`` (new arrays if None).
+
+        Rows holding cold records come first, then hot ones, each group in
+        the order given (hot first if ``hot_first``): one gather per tier.
+        """
+        if out is None:
+            out = {f.name: np.empty((len(seqs),) + f.shape, f.dtype) for f in self.schema}
+        is_hot = seqs >= self.hot_lo
+        cold_seqs, hot_seqs = seqs[~is_hot], seqs[is_hot]
+        if hot_first:
+            self.hot.gather(hot_seqs, out, 0)
+        if len(cold_seqs):
+            assert self.cold is not None
+            self.cold.gather(cold_seqs, out, len(hot_seqs) if hot_first else 0)
+        if not hot_first:
+            self.hot.gather(hot_seqs, out, len(cold_seqs))
+        return dict(out)
+
+    def tier_order(self, seqs: np.ndarray) -> np.ndarray:
+        """The permutation that puts ``seqs`` in :meth:`gather`'s row order (cold first)."""
+        return np.argsort(seqs >= self.hot_lo, kind="stable")
+
+    # ---- recovery ----------------------------------------------------------------
+
+    def damaged(self, progress=None) -> np.ndarray:
+        """Live seqs whose slot fails its seq or checksum check, sorted.
+
+        ``progress(checked, live)`` is called as the check goes.
+        """
+        live = self.pushed - self.first
+        cold_live = self.hot_lo - self.first
+        bad = []
+        if self.cold is not None:
+            bad.append(self.cold.damaged(
+                self.first, self.hot_lo, progress and (lambda done: progress(done, live))))
+        bad.append(self.hot.damaged(
+            self.hot_lo, self.pushed,
+            progress and (lambda done: progress(cold_live + done, live))))
+        return np.sort(np.concatenate(bad))

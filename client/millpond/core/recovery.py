@@ -1,0 +1,51 @@
+"""Reopening a persistent buffer's file: its config, its live ranges, and every record checked.
+
+The file's committed counters say which records are live; each live record
+is then checked (its slot's seq and checksum) before anything is served. A
+damaged record stops the reopen with :class:`CorruptFileError`, naming the
+file, the count and the seqs, unless the caller chose to skip damaged
+records: then they become the FIFO's holes, never served.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import CorruptFileError
+from .bufferfile import BufferFile
+from .config import BufferConfig
+from .fifo import Fifo
+
+
+def recover(path: str | os.PathLike, *, sync_every_push: bool = False, skip_corrupt: bool = False,
+            progress=None) -> tuple[BufferConfig, Fifo]:
+    """The config and the checked FIFO of the persistent buffer file at ``path``.
+
+    Raises CorruptFileError for a file that is not a sound persistent
+    millpond buffer file, or that holds damaged records (unless
+    ``skip_corrupt``). ``progress(checked, live)`` reports the check as it
+    goes: a large buffer takes a while, and an operator must tell that from
+    a hang.
+    """
+    file = BufferFile.open(os.fspath(path))
+    try:
+        if not file.meta["persistent"]:
+            raise CorruptFileError(
+                f"{path} belonged to a non-persistent buffer: its hot records were never in it")
+        config = BufferConfig.from_file_meta(file.meta, file.schema)
+        assert file.hot_tier is not None
+        fifo = Fifo(file.schema, file.hot_tier, file.tier, config.total_capacity, file,
+                    durable=True, sync_every_push=sync_every_push)
+        fifo.pushed, fifo.first, fifo.hot_lo = file.pushed, file.first, file.hot_lo
+        bad = fifo.damaged(progress)
+        live = fifo.pushed - fifo.first
+        if len(bad) and not skip_corrupt:
+            raise CorruptFileError(
+                f"{file.path}: {len(bad):,} of {live:,} live records fail their checks "
+                f"(seqs {bad[:5].tolist()}{'...' if len(bad) > 5 else ''}); "
+                "--recover=skip-corrupt serves the intact ones")
+    except BaseException:
+        file.close(delete=False)
+        raise
+    fifo.holes = bad
+    return config, fifo

@@ -1,0 +1,125 @@
+"""The gRPC transport: every call of the protocol over one channel.
+
+Bulk calls bypass the generated message classes: PushBatch requests and
+Sample replies travel as bytes framed by :mod:`millpond.wire.frames`, which
+copies column data once instead of three times.
+
+Every call waits for the server to be ready, within its deadline: gRPC's
+``wait_for_ready`` holds it while the server is not listening yet (a client
+started before its daemon), and a server still recovering its buffers
+answers :class:`~millpond.errors.ServerStartingError`, which is retried with
+backoff. Nothing else is retried: a push whose connection broke may or may
+not have been stored, and the caller must know.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import grpc
+import numpy as np
+
+from .core.config import BufferConfig
+from .core.info import BufferInfo
+from .core.schema import Schema
+from .errors import MessageTooLargeError, ServerStartingError
+from .v1 import replay_pb2 as pb
+from .v1 import replay_pb2_grpc as pb_grpc
+from .wire.codec import config_to_proto, info_from_proto
+from .wire.frames import PUSH_BATCH_FIELD, SAMPLE_BATCH_FIELD, decode_batch_field, encode_with_batch
+from .wire.status import error_from_rpc
+
+# Protobuf framing per column (name, dtype, shape, length prefixes) is tiny;
+# this margin keeps size checks honest without computing it exactly.
+FRAMING_BYTES = 64 * 1024
+# Backoff between retries of a call the server answered "starting".
+_RETRY_FIRST, _RETRY_MAX = 0.05, 1.0
+
+
+class GrpcTransport:
+    """Calls over one gRPC channel; raises the typed millpond errors."""
+
+    name = "grpc"
+
+    def __init__(self, channel: grpc.Channel, max_message_bytes: int):
+        self.max_message_bytes = max_message_bytes
+        self.stub = pb_grpc.ReplayStub(channel)
+        self._push_batch = channel.unary_unary(
+            "/millpond.v1.Replay/PushBatch",
+            request_serializer=None,  # already bytes
+            response_deserializer=pb.PushReply.FromString,
+        )
+        self._sample = channel.unary_unary(
+            "/millpond.v1.Replay/Sample",
+            request_serializer=pb.SampleRequest.SerializeToString,
+            response_deserializer=None,  # parsed by frames.decode_batch_field
+        )
+
+    def invoke(self, method: Callable, request: Any, deadline: float) -> Any:
+        """``method(request)`` within ``deadline`` seconds, once the server is ready."""
+        end = time.monotonic() + deadline
+        delay = _RETRY_FIRST
+        while True:
+            try:
+                return method(request, timeout=max(0.0, end - time.monotonic()),
+                              wait_for_ready=True)
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc)
+            left = end - time.monotonic()
+            if not isinstance(error, ServerStartingError) or left <= delay:
+                raise error
+            time.sleep(delay)
+            delay = min(2 * delay, _RETRY_MAX)
+
+    # ---- bulk ---------------------------------------------------------------------
+
+    def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
+                   priorities: np.ndarray | None, timeout: float, deadline: float) -> None:
+        nbytes = n * schema.record_nbytes + FRAMING_BYTES
+        if nbytes > self.max_message_bytes:
+            raise MessageTooLargeError(
+                f"push_batch of {n:,} records is {nbytes:,} bytes, over the client's message "
+                f"limit of {self.max_message_bytes:,} bytes (max_message_mb); split it into "
+                "smaller batches")
+        request = encode_with_batch(PUSH_BATCH_FIELD, columns, buffer, priorities, timeout)
+        self.invoke(self._push_batch, request, deadline)
+
+    def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
+               extras: bool, timeout: float, deadline: float) -> dict[str, np.ndarray]:
+        request = pb.SampleRequest(name=buffer, batch_size=batch_size, seed=seed, timeout=timeout)
+        reply = self.invoke(self._sample, request, deadline)
+        # The decoded arrays view the immutable reply bytes; copy once so the
+        # caller may modify them in place, as with in-process results.
+        columns = decode_batch_field(reply, SAMPLE_BATCH_FIELD)
+        return {name: np.array(column) for name, column in columns.items()}
+
+    def update_priorities(self, buffer: str, indices: np.ndarray, priorities: np.ndarray,
+                          deadline: float) -> int:
+        request = pb.UpdatePrioritiesRequest(name=buffer, indices=indices.tolist(),
+                                             priorities=priorities.tolist())
+        return self.invoke(self.stub.UpdatePriorities, request, deadline).updated
+
+    def set_beta(self, buffer: str, beta: float, deadline: float) -> None:
+        self.invoke(self.stub.SetBeta, pb.SetBetaRequest(name=buffer, beta=beta), deadline)
+
+    # ---- control ------------------------------------------------------------------
+
+    def create(self, name: str, config: BufferConfig, deadline: float) -> tuple[BufferInfo, bool]:
+        """Create ``name`` (or attach to it); return its info and whether it is new."""
+        request = pb.CreateRequest(name=name, config=config_to_proto(config))
+        reply = self.invoke(self.stub.Create, request, deadline)
+        return info_from_proto(reply.info), reply.created
+
+    def info(self, name: str, deadline: float) -> BufferInfo:
+        return info_from_proto(self.invoke(self.stub.Info, pb.InfoRequest(name=name), deadline))
+
+    def list(self, deadline: float) -> list[BufferInfo]:
+        reply = self.invoke(self.stub.List, pb.ListRequest(), deadline)
+        return [info_from_proto(info) for info in reply.buffers]
+
+    def delete(self, name: str, deadline: float) -> None:
+        self.invoke(self.stub.Close, pb.CloseRequest(name=name), deadline)
+
+    def negotiate(self, boot_id: str, deadline: float) -> pb.NegotiateReply:
+        return self.invoke(self.stub.Negotiate, pb.NegotiateRequest(boot_id=boot_id), deadline)

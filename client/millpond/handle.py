@@ -1,0 +1,209 @@
+"""The buffer handle users hold: the reference API, whatever backs it.
+
+A :class:`Buffer` binds the reference's call signatures (positional
+transition arguments, ``action``/``reward`` aliases) to field names and
+delegates to its backend: the engine's :class:`~millpond.core.TieredBuffer`
+in-process, or a :class:`~millpond.remote.RemoteBuffer` on a server. Both
+have the same methods, results and exceptions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .core.config import BufferConfig
+from .core.info import BufferInfo
+from .core.schema import Schema
+from .errors import FieldMismatchError
+from .sampler import Sampler
+
+# The reference's positional order for push and push_batch of transitions,
+# and the argument names it uses for each field.
+_PUSH_ORDER = ("obs", "actions", "rewards", "terminated", "truncated", "next_obs")
+_PUSH_BATCH_ORDER = ("obs", "next_obs", "actions", "rewards", "terminated", "truncated")
+_ALIASES = {
+    "action": "actions",
+    "reward": "rewards",
+    "obs_batch": "obs",
+    "next_obs_batch": "next_obs",
+    "actions_batch": "actions",
+}
+
+
+class Buffer:
+    """A replay buffer handle; see :class:`millpond.ReplayBuffer` for the methods."""
+
+    def __init__(self, backend: Any):
+        self._backend = backend
+
+    @property
+    def config(self) -> BufferConfig:
+        return self._backend.config
+
+    @property
+    def schema(self) -> Schema:
+        return self._backend.schema
+
+    @property
+    def hot_capacity(self) -> int:
+        return self._backend.hot_capacity
+
+    @property
+    def total_capacity(self) -> int:
+        return self._backend.total_capacity
+
+    def __len__(self) -> int:
+        return len(self._backend)
+
+    def is_empty(self) -> bool:
+        return len(self) == 0
+
+    def push(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> None:
+        """Append one record.
+
+        Transition buffers: ``push(obs, action, reward, terminated, truncated,
+        next_obs)``; schema buffers: ``push(**{field: value})``. ``timeout``:
+        see :meth:`push_batch`.
+        """
+        self._backend.push(self._bind(_PUSH_ORDER, args, kwargs), timeout=timeout)
+
+    def push_batch(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> None:
+        """Append many records at once, validated as a whole before storing.
+
+        Transition buffers: ``push_batch(obs, next_obs, actions, rewards,
+        terminated, truncated)`` with ``[n, dim]`` or flat ``[n*dim]`` arrays;
+        ``terminated``/``truncated`` may be bool or float (non-zero is true).
+        Schema buffers: ``push_batch(**{field: array[n, *shape]})``.
+        With a rate limiter the push waits up to ``timeout`` seconds while it
+        would break it (in-process None waits without limit; remote None is the
+        client's call timeout), then raises RateLimitTimeoutError.
+        """
+        self._backend.push_batch(self._bind(_PUSH_BATCH_ORDER, args, kwargs), timeout=timeout)
+
+    def sample(self, batch_size: int, seed: int | None = None, *,
+               timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Draw ``batch_size`` records from hot + cold storage.
+
+        Returns ``{field: array[batch_size, *shape]}`` (for transitions: ``obs``,
+        ``next_obs``, ``actions``, ``rewards``, ``terminated``, ``truncated``).
+        Uniform and deterministic for the same contents and ``seed`` in
+        replay mode; the oldest (queue) or newest (stack) records, removed,
+        otherwise. With a rate limiter it waits up to ``timeout`` seconds
+        (see :meth:`push_batch`), then raises RateLimitTimeoutError.
+        """
+        return self._backend.sample(batch_size, seed, timeout=timeout)
+
+    def flush(self) -> None:
+        """Return once every record pushed before this call is stored.
+
+        For remote buffers with client-side batching, ``push`` only queues
+        records: they are acknowledged when ``flush()`` (or ``close()``)
+        returns, and a failed send raises here. The in-process buffer stores
+        on push, so this does nothing there.
+        """
+        flush = getattr(self._backend, "flush", None)
+        if flush is not None:
+            flush()
+
+    def sampler(
+        self,
+        batch_size: int,
+        prefetch: int = 2,
+        seed: int | None = None,
+        max_batches: int | None = None,
+    ) -> Sampler:
+        """An iterator of ``sample(batch_size)`` batches with ``prefetch`` requests in flight.
+
+        With ``seed``, batch ``i`` equals ``sample(batch_size, seed + i)``.
+        Endless unless ``max_batches`` is given; close it (or use ``with``)
+        when done. See :class:`millpond.sampler.Sampler`.
+        """
+        return Sampler(self.sample, batch_size, prefetch=prefetch, seed=seed,
+                       max_batches=max_batches)
+
+    def info(self) -> BufferInfo:
+        """Sizes, capacities and counters: a read-only mapping (see :class:`millpond.BufferInfo`)."""
+        return self._backend.info()
+
+    def close(self) -> None:
+        """Stop using this handle; later calls raise BufferClosedError. Idempotent.
+
+        In-process, and on a server when this handle created the buffer, the
+        buffer and its file are deleted (as the reference does). A handle
+        that attached to an existing server buffer (``client.buffer(name)``,
+        or a create that found it) leaves it to the others sharing it.
+        """
+        self._backend.close()
+
+    def delete(self) -> None:
+        """Delete the buffer and its file, whoever created it. Idempotent."""
+        self._backend.delete()
+
+    def release(self) -> None:
+        """Stop using this handle but keep the data (a persistent file, or the server's buffer)."""
+        self._backend.release()
+
+    @property
+    def closed(self) -> bool:
+        return self._backend.closed
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(len={len(self)}, hot_capacity={self.hot_capacity}, "
+            f"total_capacity={self.total_capacity}, schema={self.schema!r}, "
+            f"backend={type(self._backend).__name__})"
+        )
+
+    def _bind(self, order: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
+        """Map the reference's positional/keyword arguments to field names."""
+        schema = self.schema
+        transition = schema.is_transition
+        if not transition:
+            order = schema.names
+        if len(args) > len(order):
+            raise FieldMismatchError(f"expected at most {len(order)} positional arguments")
+        bound = dict(zip(order, args))
+        for key, value in kwargs.items():
+            name = _ALIASES.get(key, key) if transition else key
+            if name in bound:
+                raise FieldMismatchError(f"field {name!r} given twice")
+            bound[name] = value
+        return bound
+
+
+class PrioritizedBuffer(Buffer):
+    """A prioritized buffer handle: ``push(..., priority=)``, ``update_priorities``, ``set_beta``."""
+
+    def push(self, *args: Any, priority: float | None = None, timeout: float | None = None,
+             **kwargs: Any) -> None:
+        """``push(obs, action, reward, terminated, truncated, next_obs, priority=None)``."""
+        self._backend.push(self._bind(_PUSH_ORDER, args, kwargs), priority, timeout=timeout)
+
+    def push_batch(self, *args: Any, priorities: Any = None, timeout: float | None = None,
+                   **kwargs: Any) -> None:
+        """Like :meth:`Buffer.push_batch`, with one priority per record (optional)."""
+        self._backend.push_batch(self._bind(_PUSH_BATCH_ORDER, args, kwargs), priorities,
+                                 timeout=timeout)
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        """New priorities for sampled ``indices``; returns how many were still live."""
+        return self._backend.update_priorities(indices, priorities)
+
+    def set_beta(self, beta: float) -> None:
+        """Set the importance-sampling exponent (anneal it towards 1)."""
+        self._backend.set_beta(beta)
+
+
+def handle_for(backend: Any) -> Buffer:
+    """The handle class for ``backend``'s config: prioritized or not."""
+    if backend.config.prioritized is not None:
+        return PrioritizedBuffer(backend)
+    return Buffer(backend)

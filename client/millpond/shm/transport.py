@@ -1,0 +1,98 @@
+"""The shared-memory transport: bulk calls through a pool of fast-path sessions.
+
+A session serves one request at a time (one server thread each), so a call
+takes a session from the pool for its duration and gives it back after:
+threads sharing one client proceed independently, and a sample waiting for
+a rate limiter never holds up another thread's push. The pool opens
+sessions as concurrency needs them and keeps a few idle ones.
+
+A session that broke (deadline passed mid-call, connection lost) is closed,
+not returned. A lost connection also marks the transport :attr:`stale`: the
+server may have restarted under a new socket, so the connection negotiates
+again before the next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from typing import Iterator
+
+import numpy as np
+
+from ..core.schema import Schema
+from ..errors import SharedMemoryError
+from .session import ShmSession
+
+MAX_IDLE_SESSIONS = 4
+
+
+class ShmTransport:
+    """Bulk calls over the server's fast-path socket ``socket_name`` (owned by ``uid``).
+
+    Opening it opens one session, so an unreachable socket or a refusal
+    raises OSError here, not on the first call.
+    """
+
+    name = "shm"
+
+    def __init__(self, socket_name: str, uid: int, deadline: float):
+        self._socket_name = socket_name
+        self._uid = uid
+        self._lock = threading.Lock()
+        self.served: Counter[str] = Counter()  # successful requests per op, all sessions
+        self._idle = [self._open(deadline)]
+        self.stale = False
+
+    def _open(self, deadline: float) -> ShmSession:
+        return ShmSession(self._socket_name, self._uid, deadline, self.served)
+
+    @contextlib.contextmanager
+    def _session(self, deadline: float) -> Iterator[ShmSession]:
+        with self._lock:
+            session = self._idle.pop() if self._idle else None
+        if session is None:
+            try:
+                session = self._open(deadline)
+            except OSError as exc:  # the server may have restarted: negotiate again
+                self.stale = True
+                raise SharedMemoryError(f"cannot open another fast-path session: {exc}") from exc
+        try:
+            yield session
+        finally:
+            if session.broken:
+                self.stale = self.stale or session.lost
+            with self._lock:  # a stale transport's sessions are not reused
+                if not session.broken and not self.stale and len(self._idle) < MAX_IDLE_SESSIONS:
+                    self._idle.append(session)
+                    session = None
+            if session is not None:
+                session.close()
+
+    def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
+                   priorities: np.ndarray | None, timeout: float, deadline: float) -> None:
+        with self._session(deadline) as session:
+            session.push_batch(buffer, schema, n, columns, priorities, timeout, deadline)
+
+    def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
+               extras: bool, timeout: float, deadline: float) -> dict[str, np.ndarray]:
+        with self._session(deadline) as session:
+            return session.sample(buffer, schema, batch_size, seed, extras, timeout, deadline)
+
+    def update_priorities(self, buffer: str, indices: np.ndarray, priorities: np.ndarray,
+                          deadline: float) -> int:
+        with self._session(deadline) as session:
+            return session.update_priorities(buffer, indices, priorities, deadline)
+
+    def set_beta(self, buffer: str, beta: float, deadline: float) -> None:
+        with self._session(deadline) as session:
+            session.set_beta(buffer, beta, deadline)
+
+    def close(self) -> None:
+        """Close the idle sessions (those in use close when their call ends)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for session in idle:
+            session.close()
+        self.stale = True

@@ -1,0 +1,150 @@
+"""The client's transport seam: one protocol, two implementations, one fallback policy.
+
+A :class:`Transport` carries the bulk calls of a buffer handle: gRPC
+(:class:`~millpond.grpc_transport.GrpcTransport`) or same-host shared memory
+(:class:`~millpond.shm.transport.ShmTransport`). A :class:`Connection` is one
+process's channel to a server; :meth:`Connection.call` picks the transport
+for each call (see its docstring for the policy). Control calls (create,
+info, list, delete, negotiate) always go over gRPC (:attr:`Connection.grpc`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Any, Protocol
+
+import grpc
+import numpy as np
+
+from .core.schema import Schema
+from .errors import (
+    DeadlineExceededError,
+    ReplayError,
+    ServerUnavailableError,
+    SharedMemoryError,
+)
+from .grpc_transport import GrpcTransport
+from .malloc import tune_malloc_for_large_messages
+from .shm.protocol import read_boot_id
+from .shm.session import ResultPoolExhausted
+from .shm.transport import ShmTransport
+
+log = logging.getLogger("millpond.client")
+
+
+class Transport(Protocol):
+    """The bulk calls of a buffer, by buffer name.
+
+    ``timeout``: seconds the server may wait for the buffer's rate limiter
+    (0: not at all). ``deadline``: seconds the whole call may take.
+    """
+
+    name: str
+
+    def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
+                   priorities: np.ndarray | None, timeout: float, deadline: float) -> None: ...
+
+    def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
+               extras: bool, timeout: float, deadline: float) -> dict[str, np.ndarray]: ...
+
+    def update_priorities(self, buffer: str, indices: np.ndarray, priorities: np.ndarray,
+                          deadline: float) -> int: ...
+
+    def set_beta(self, buffer: str, beta: float, deadline: float) -> None: ...
+
+
+class Connection:
+    """One process's gRPC channel to a server and, when negotiated, its fast path.
+
+    ``shm``: "auto" uses the fast path when the server offers it and this
+    process can reach it; True requires it (SharedMemoryError if it cannot be
+    had, with the reason); False never uses it.
+    """
+
+    def __init__(self, address: str, options: list[tuple[str, Any]], shm: bool | str,
+                 timeout: float, max_message_bytes: int):
+        tune_malloc_for_large_messages()
+        self.channel = grpc.insecure_channel(address, options=options)
+        self.grpc = GrpcTransport(self.channel, max_message_bytes)
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self.calls: Counter[tuple[str, str]] = Counter()  # (transport, op) -> calls made
+        self.shm: ShmTransport | None = None
+        self.shm_reason = "disabled by the client (shm=False)"
+        self._want_shm = shm
+        if shm is not False:
+            self.shm, self.shm_reason = self._negotiate()
+            if shm is True and self.shm is None:
+                self.channel.close()
+                raise SharedMemoryError(f"shared memory was required but {self.shm_reason}")
+
+    @property
+    def transport(self) -> str:
+        """"shm" while the fast path is in use, else "grpc"."""
+        return "shm" if self.shm is not None else "grpc"
+
+    def call(self, op: str, *args: Any) -> Any:
+        """Run bulk call ``op`` (a :class:`Transport` method) with ``args``.
+
+        The one fallback policy:
+
+        * with a fast path, the call goes through shared memory;
+        * if shared memory cannot carry this call (a segment cannot be
+          reserved: :class:`SharedMemoryError`; too many earlier results are
+          still alive), this call alone goes over gRPC. Nothing was stored
+          or drawn by the refused attempt;
+        * a fast path whose connection was lost (the server restarted) is
+          negotiated again before the next call; until a new one is had,
+          calls go over gRPC;
+        * without a fast path, gRPC.
+
+        Errors of the call itself (bad input, rate-limit timeouts, a lost
+        connection in the middle of a call) are raised, never retried: a
+        push may have been stored.
+        """
+        shm = self._fast_path()
+        if shm is not None:
+            try:
+                result = getattr(shm, op)(*args)
+                self.calls["shm", op] += 1
+                return result
+            except (SharedMemoryError, ResultPoolExhausted) as exc:
+                log.info("%s over gRPC this time: %s", op, exc)
+        result = getattr(self.grpc, op)(*args)
+        self.calls["grpc", op] += 1
+        return result
+
+    def _fast_path(self) -> ShmTransport | None:
+        shm = self.shm
+        if shm is None or not shm.stale:
+            return shm
+        with self._lock:
+            if self.shm is shm:
+                shm.close()
+                self.shm, self.shm_reason = self._negotiate()
+            return self.shm
+
+    def _negotiate(self) -> tuple[ShmTransport | None, str]:
+        """Open the fast path if the server offers it and it is reachable from here."""
+        boot_id = read_boot_id()
+        try:
+            offer = self.grpc.negotiate(boot_id, self._timeout)
+        except (ServerUnavailableError, DeadlineExceededError):
+            raise
+        except ReplayError as exc:  # e.g. a server without the fast path's RPC
+            return None, f"the server did not negotiate it ({exc})"
+        if not offer.shm:
+            return None, offer.reason or "the server does not offer it"
+        if not boot_id or offer.boot_id != boot_id:
+            return None, "the server runs on another host"
+        try:
+            return ShmTransport(offer.socket, offer.uid, self._timeout), ""
+        except OSError as exc:  # other network namespace, refused peer, no memfd...
+            return None, f"its socket is not reachable from here ({exc})"
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+        self.channel.close()

@@ -1,0 +1,244 @@
+"""What clients may ask of the server, whatever the transport: one operations layer.
+
+The gRPC service (:mod:`.service`) and the shared-memory fast path
+(:mod:`.fastpath`) both decode their requests and call this layer, which
+owns the rules they share:
+
+* **errors**: :meth:`Operations.classify` turns any failure into the typed
+  error the client gets; a storage I/O error stops the daemon; anything
+  unexpected is logged (once, with its traceback) and reported as INTERNAL;
+* **readiness**: until the buffers are recovered every call fails with
+  :class:`ServerStartingError`, which clients retry;
+* **rate limits**: the engine is only ever *tried* (``timeout=0``). A call
+  that would wait raises :class:`WouldWait`; :meth:`Operations.admit` then
+  waits on the event loop for the buffer's next change and retries, until
+  the call's budget (:func:`wait_budget`) runs out. Waiting costs no thread,
+  so any number of waiting learners leave other buffers and calls alone. The
+  fast path, whose session threads call the engine directly, hands its waits
+  to the same loop (:meth:`Operations.admit_from_thread`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import weakref
+from concurrent.futures import Executor
+from typing import Any, Callable, Mapping, TypeVar
+
+import numpy as np
+
+from millpond.core import BufferConfig, BufferInfo, TieredBuffer
+from millpond.errors import (
+    InternalError,
+    RateLimitTimeoutError,
+    ReplayError,
+    ServerStartingError,
+    StorageIOError,
+)
+
+from .fatal import fatal_storage_error
+from .registry import Registry
+
+log = logging.getLogger("millpond.operations")
+
+T = TypeVar("T")
+# How often a thread whose call waits on the loop checks that its client is still there.
+HANGUP_POLL_S = 0.2
+
+
+class WouldWait(Exception):
+    """An engine call tried with ``timeout=0`` found the rate limiter closed."""
+
+    def __init__(self, buffer: TieredBuffer, kind: str, records: int):
+        super().__init__(kind)
+        self.buffer, self.kind, self.records = buffer, kind, records
+
+
+def wait_budget(requested: float | None, remaining: float | None) -> float | None:
+    """Seconds a call may wait for a rate limiter: what it asked for (None: no
+    limit of its own), never past its deadline (``remaining`` seconds away)
+    less a margin, so that its caller gets our clear error rather than gRPC's."""
+    if remaining is None:
+        return requested
+    cap = max(0.0, remaining - min(0.05, remaining / 10))
+    return cap if requested is None else min(requested, cap)
+
+
+class _Changes:
+    """The event that wakes the loop's waiters on one buffer when it changes.
+
+    The buffer calls :meth:`changed` from any thread with its lock held;
+    only while someone waits does that cost a hop to the loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, buffer: TieredBuffer):
+        self.loop = loop
+        self.waiting = 0
+        self.event = asyncio.Event()
+        buffer.add_listener(self.changed)
+
+    def changed(self) -> None:
+        if self.waiting:
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        self.event.set()
+        self.event = asyncio.Event()
+
+
+class Operations:
+    """The server's operations on its registry; see the module docstring."""
+
+    def __init__(self, registry: Registry, executor: Executor):
+        self.registry = registry
+        self.executor = executor
+        self.ready = False  # set once the buffers are recovered
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by start()
+        self._changes: weakref.WeakKeyDictionary[TieredBuffer, _Changes] = \
+            weakref.WeakKeyDictionary()
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bind to the event loop that runs the waits."""
+        self.loop = loop
+
+    # ---- errors and readiness ---------------------------------------------------------
+
+    def check_ready(self) -> None:
+        if not self.ready:
+            raise ServerStartingError("the server is recovering its buffers; retry shortly")
+
+    @staticmethod
+    def classify(exc: BaseException, op: str) -> ReplayError:
+        """The error a client gets for ``exc``, raised by operation ``op``."""
+        if isinstance(exc, StorageIOError):
+            fatal_storage_error(exc)
+        if isinstance(exc, ReplayError):
+            return exc
+        log.error("unexpected error", exc_info=exc, extra={"kv": {"op": op}})
+        return InternalError(f"internal server error in {op}: {type(exc).__name__}: {exc}")
+
+    # ---- the calls (synchronous; run on the pool or a fast-path session) --------------
+
+    def create(self, name: str, config: BufferConfig) -> tuple[BufferInfo, bool]:
+        buffer, created = self.registry.create(name, config)
+        return self.registry.info(name, buffer), created
+
+    def delete(self, name: str) -> None:
+        self.registry.close(name)
+
+    def info(self, name: str) -> BufferInfo:
+        return self.registry.info(name)
+
+    def list(self) -> list[BufferInfo]:
+        return [self.registry.info(name, buffer) for name, buffer in self.registry.list()]
+
+    def push(self, name: str, record: Mapping[str, Any]) -> tuple[int, int]:
+        """Store one record now or raise WouldWait; return ``(size, pushed)`` after it."""
+        buffer = self.registry.get(name)
+        _try(buffer, buffer.push, record, timeout=0)
+        return len(buffer), buffer.pushed
+
+    def push_batch(self, name: str, columns: Mapping[str, Any],
+                   priorities: np.ndarray | None) -> tuple[int, int]:
+        """Store a batch now or raise WouldWait; return ``(size, pushed)`` after it."""
+        buffer = self.registry.get(name)
+        _try(buffer, buffer.push_batch, columns, priorities, timeout=0)
+        return len(buffer), buffer.pushed
+
+    def sample(self, name: str, batch_size: int, seed: int | None,
+               out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Draw a batch now (into ``out`` if given) or raise WouldWait."""
+        buffer = self.registry.get(name)
+        return _try(buffer, buffer.sample, batch_size, seed, out, timeout=0)
+
+    def update_priorities(self, name: str, indices: Any, priorities: Any) -> int:
+        return self.registry.get(name).update_priorities(indices, priorities)
+
+    def set_beta(self, name: str, beta: float) -> None:
+        self.registry.get(name).set_beta(beta)
+
+    # ---- running them ------------------------------------------------------------------
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the engine pool (never blocks the loop)."""
+        assert self.loop is not None
+        return await self.loop.run_in_executor(self.executor, fn, *args)
+
+    async def admit(self, budget: float | None, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the pool; while it would wait, wait here (at most ``budget`` s)."""
+        try:
+            return await self.run(fn, *args)
+        except WouldWait as wait:
+            return await self._wait_and_retry(wait, budget, fn, args)
+
+    def admit_from_thread(self, budget: float | None, cancelled: Callable[[], bool],
+                          fn: Callable[..., T], *args: Any) -> T:
+        """:meth:`admit` for a thread that serves one client (a fast-path session).
+
+        The first try runs on this thread (no hop to the pool); a wait runs
+        on the loop, and ends early once ``cancelled()`` (the client hung up).
+        """
+        try:
+            return fn(*args)
+        except WouldWait as exc:
+            wait = exc
+        assert self.loop is not None
+        future = asyncio.run_coroutine_threadsafe(
+            self._wait_and_retry(wait, budget, fn, args), self.loop)
+        # Not future.result(timeout): its TimeoutError is also the base of the
+        # RateLimitTimeoutError the wait may end with.
+        while not concurrent.futures.wait([future], HANGUP_POLL_S).done:
+            if cancelled():
+                future.cancel()
+                raise RateLimitTimeoutError(f"{wait.kind} abandoned: its caller went away",
+                                            wait.kind, wait.records)
+        return future.result()
+
+    async def _wait_and_retry(self, wait: WouldWait, budget: float | None,
+                              fn: Callable[..., T], args: tuple) -> T:
+        """Retry ``fn`` each time its buffer changes, until it passes or ``budget`` runs out."""
+        loop = asyncio.get_running_loop()
+        buffer, start = wait.buffer, loop.time()
+        if budget == 0:  # a try-only call: it would have had to wait
+            raise self._timed_out(wait, 0.0)
+        changes = self._changes.get(buffer)
+        if changes is None:
+            changes = self._changes[buffer] = _Changes(loop, buffer)
+        deadline = None if budget is None else start + budget
+        changes.waiting += 1
+        buffer.wait_started(wait.kind)
+        try:
+            while True:
+                event = changes.event  # before the check: a change after it sets this one
+                if not buffer.would_wait(wait.kind, wait.records):
+                    try:
+                        return await self.run(fn, *args)
+                    except WouldWait:
+                        pass
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
+                    raise self._timed_out(wait, loop.time() - start)
+                try:
+                    await asyncio.wait_for(event.wait(), left)
+                except TimeoutError:
+                    pass
+        finally:
+            changes.waiting -= 1
+            buffer.wait_ended(wait.kind, loop.time() - start)
+
+    @staticmethod
+    def _timed_out(wait: WouldWait, waited: float) -> RateLimitTimeoutError:
+        return RateLimitTimeoutError(
+            f"{wait.kind} of {wait.records} records waited {waited:.3g} s for the rate limiter "
+            f"until its timeout ({wait.buffer.describe_rate()}); pass a longer timeout",
+            wait.kind, wait.records)
+
+
+def _try(buffer: TieredBuffer, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """An engine call with ``timeout=0``; WouldWait if the rate limiter is closed."""
+    try:
+        return call(*args, **kwargs)
+    except RateLimitTimeoutError as exc:
+        raise WouldWait(buffer, exc.kind or "", exc.records or 0) from None
