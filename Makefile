@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
 
-.PHONY: venv run test bench proto docker clean
+.PHONY: venv run test lint bench proto docker clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,12 @@ venv: $(STAMP)
 run: $(STAMP)  ## start the server on 127.0.0.1:50051 (extra flags: make run ARGS="--port 6000")
 	$(VENV)/bin/millpond serve $(ARGS)
 
-test: $(STAMP)  ## the whole test suite
+test: lint  ## lint, type checks and the whole test suite
 	$(PY) -m pytest $(ARGS)
+
+lint: $(STAMP)  ## ruff and mypy (configured in pyproject.toml)
+	$(VENV)/bin/ruff check client server tests bench
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)  ## throughput and memory figures (not a test)
 	$(PY) bench/bench.py $(ARGS)

@@ -300,14 +300,23 @@ def dockerfile_image_config() -> tuple[list[str], dict[str, str], list[str]]:
     return entrypoint, env, health
 
 
-def test_dockerfile_is_as_documented():
-    text = DOCKERFILE.read_text()
-    entrypoint, env, health = dockerfile_image_config()
-    assert entrypoint == ["millpond", "serve"]
-    assert health == ["millpond", "health"]
-    assert env["MILLPOND_HOST"] == "0.0.0.0" and env["MILLPOND_DATA_DIR"] == "/data"
-    assert "FROM python:3.11-slim" in text and "EXPOSE 50051" in text
-    assert "USER millpond" in text and 'VOLUME ["/data"]' in text
+def test_dockerfile_agrees_with_the_cli():
+    """What the image declares is what the server does: every variable it sets is one
+    ``millpond serve`` reads, the port it exposes is the one it serves, the volume is
+    its data directory, and it does not run as root."""
+    from millpond_server.config import SERVE_OPTIONS
+
+    instructions = _dockerfile_instructions()
+    _, env, _ = dockerfile_image_config()
+    known = {opt.env: opt for opt in SERVE_OPTIONS}
+    millpond_vars = {key for key in env if key.startswith("MILLPOND_")}
+    assert millpond_vars and millpond_vars <= set(known), millpond_vars - set(known)
+    port = env.get("MILLPOND_PORT", str(known["MILLPOND_PORT"].default))
+    assert [rest for keyword, rest in instructions if keyword == "EXPOSE"] == [port]
+    volumes = [json.loads(rest) for keyword, rest in instructions if keyword == "VOLUME"]
+    assert volumes == [[env["MILLPOND_DATA_DIR"]]]
+    users = [rest for keyword, rest in instructions if keyword == "USER"]
+    assert users and users[-1] not in ("root", "0")
 
 
 def test_docker_entrypoint_serves_answers_health_and_exits_0_on_sigterm(tmp_path):

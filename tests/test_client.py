@@ -149,7 +149,8 @@ def test_handles_pickle_by_address_and_name(shared_server):
     buf.push_batch(**transitions(0, 3))
     clone = pickle.loads(pickle.dumps(buf))
     assert len(clone) == 3 and clone.schema == buf.schema
-    assert pickle.loads(pickle.dumps(millpond.connect(shared_server.address))).address == shared_server.address
+    client = millpond.connect(shared_server.address)
+    assert pickle.loads(pickle.dumps(client)).address == shared_server.address
     buf.close()
 
 
@@ -207,3 +208,55 @@ def test_prefetching_sampler_over_the_server(shared_server):
     assert len(got) == 5
     for i, rewards in enumerate(got):
         np.testing.assert_array_equal(rewards, buf.sample(32, seed=10 + i)["rewards"])
+
+
+def _names_on(address: str) -> set[str]:
+    return {info["name"] for info in millpond.connect(address).list_buffers()}
+
+
+def test_close_deletes_a_shared_buffer_only_from_the_handle_that_created_it(shared_server):
+    """Many actors and learners share a server buffer: closing an attached handle
+    releases it; only the creator's close (or an explicit delete) deletes the data."""
+    address = shared_server.address
+    spec = dict(capacity=10, obs_dim=2, act_dim=1)
+    creator = millpond.connect(address).create_buffer("owned", **spec)
+    creator.push_batch(**transitions(0, 3))
+    attached = millpond.connect(address).create_buffer("owned", **spec)  # found it: attaches
+    by_name = millpond.connect(address).buffer("owned")
+    constructed = millpond.ReplayBuffer(10, 2, 1, address=address, name="owned")
+    pickled = pickle.loads(pickle.dumps(creator))  # a copy sent to an actor never owns
+    for handle in (attached, by_name, constructed, pickled):
+        handle.close()
+        assert handle.closed
+        with pytest.raises(millpond.BufferClosedError):
+            handle.sample(1)
+    assert "owned" in _names_on(address) and len(creator) == 3
+    creator.close()
+    assert "owned" not in _names_on(address)
+
+
+def test_delete_removes_the_buffer_whoever_made_it(shared_server):
+    address = shared_server.address
+    spec = dict(capacity=10, obs_dim=2, act_dim=1)
+    millpond.ReplayBuffer(10, 2, 1, address=address, name="deleted-by-handle").push_batch(
+        **transitions(0, 2))
+    attached = millpond.connect(address).buffer("deleted-by-handle")
+    attached.delete()
+    attached.delete()  # idempotent
+    assert "deleted-by-handle" not in _names_on(address)
+    client = millpond.connect(address)
+    client.create_buffer("deleted-by-name", **spec)
+    client.delete_buffer("deleted-by-name")
+    assert "deleted-by-name" not in _names_on(address)
+    with pytest.raises(millpond.BufferNotFoundError):
+        client.delete_buffer("deleted-by-name")
+
+
+def test_in_process_close_and_delete_both_delete(tmp_path):
+    for method in ("close", "delete"):
+        path = tmp_path / f"{method}.buffer"
+        buf = millpond.MmapReplayBuffer(2, 6, 2, 1, cold_path=path)
+        buf.push_batch(**transitions(0, 4))
+        assert path.exists()
+        getattr(buf, method)()
+        assert not path.exists() and buf.closed

@@ -80,7 +80,7 @@ def test_regions_page_aligned_and_sized(buf, tmp_path):
     assert len(regions) == len(FIELDS) + 1
     spans = sorted((off, off + n) for off, n in regions.values())
     assert spans[0][0] >= header_size
-    for off, end in spans:
+    for off, _ in spans:
         assert off % PAGE == 0, f"region at {off} is not page-aligned"
     for (_, end), (nxt, _) in zip(spans, spans[1:]):
         assert end <= nxt, "regions overlap"
@@ -228,7 +228,8 @@ def test_too_large_capacity_fails_at_creation(small_fs):
     assert os.listdir(small_fs) == []
     # The filesystem is usable afterwards: a buffer that fits works.
     with millpond.MmapReplayBuffer(10, 1010, 100, 1, str(path)) as b:
-        b.push_batch(np.ones((50, 100)), np.ones((50, 100)), np.ones(50), np.ones(50), np.zeros(50), np.zeros(50))
+        b.push_batch(np.ones((50, 100)), np.ones((50, 100)), np.ones(50), np.ones(50),
+                     np.zeros(50), np.zeros(50))
         assert len(b) == 50
         assert os.stat(path).st_blocks * 512 >= os.stat(path).st_size
     assert not path.exists()

@@ -123,7 +123,7 @@ def test_sigkill_crash_trials_lose_no_acknowledged_record(tmp_path):
         buf = client.create_buffer("crash", hot_capacity=500, total_capacity=TRIALS * 8_000,
                                    fields=CRASH_FIELDS)
 
-        def actor(actor_id: int) -> None:
+        def actor(actor_id: int, buf=buf) -> None:
             done, n = acknowledged.setdefault(actor_id, []), 0
             while n < 4_000:  # bounded, so nothing is ever evicted in this test
                 try:
@@ -290,24 +290,42 @@ def test_reopening_reports_progress_as_it_checks(tmp_path):
     again.release()
 
 
-def test_health_is_not_serving_until_recovery_is_done(tmp_path):
+def test_health_is_not_serving_until_recovery_is_done_and_clients_wait_for_it(tmp_path):
+    """Health says NOT_SERVING while a large buffer is recovered. A client started
+    before the daemon, and one that calls during recovery, both complete their
+    first call once the daemon is ready, within their timeout."""
     data = tmp_path / "data"
     data.mkdir()
     big = engine(Schema.transition(4, 1), 1_000, 4_000_000, data / "big.buffer",
-                       persistent=True)
+                 persistent=True)
     for i in range(20):  # 4M records: checking them takes a noticeable moment
         big.push_batch(transitions(i * 200_000, 200_000, obs_dim=4))
+    expected = big.sample(4, seed=0)
     big.release()
     with socketlib.socket() as probe:  # a free port, known before the daemon is ready
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    calls: dict[str, tuple] = {}
+
+    def client_call(label: str, max_message_mb: int = 512) -> None:
+        started = time.monotonic()
+        try:
+            client = millpond.connect(address, timeout=60, max_message_mb=max_message_mb)
+            batch = client.buffer("big").sample(4, seed=0)
+            calls[label] = (started, time.monotonic(), batch)
+        except Exception as exc:
+            calls[label] = (started, time.monotonic(), exc)
+
+    early = threading.Thread(target=client_call, args=("before the daemon",))
+    early.start()  # no daemon on that port yet
     proc = subprocess.Popen([sys.executable, "-m", "millpond_server", "serve", "--port", str(port),
                              "--data-dir", str(data)], stdout=subprocess.PIPE, text=True)
-    seen = []
+    seen, during = [], None
     try:
         fast_retry = [("grpc.initial_reconnect_backoff_ms", 10),
                       ("grpc.min_reconnect_backoff_ms", 10), ("grpc.max_reconnect_backoff_ms", 50)]
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=fast_retry) as channel:
+        with grpc.insecure_channel(address, options=fast_retry) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and "SERVING" not in seen:
@@ -315,10 +333,24 @@ def test_health_is_not_serving_until_recovery_is_done(tmp_path):
                     status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
                     seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
                 except grpc.RpcError:
-                    pass  # not listening yet
+                    continue  # not listening yet
+                if seen[-1] == "NOT_SERVING" and during is None:
+                    # Other channel options: gRPC shares a connection between channels
+                    # with the same options, and the early one may be in its backoff.
+                    during = threading.Thread(target=client_call, args=("during recovery", 256))
+                    during.start()
+        ready = time.monotonic()
         assert seen and seen[-1] == "SERVING"
         assert "NOT_SERVING" in seen, seen[:3]
         assert proc.stdout.readline().startswith("serving on")
+        for thread in (early, during):
+            thread.join(60)
+        for label, (started, _, result) in calls.items():
+            assert started < ready, label  # it really called before the daemon was ready
+            assert not isinstance(result, Exception), (label, result)
+            for key in expected:
+                np.testing.assert_array_equal(result[key], expected[key], err_msg=label)
+        assert set(calls) == {"before the daemon", "during recovery"}
     finally:
         proc.terminate()
         proc.wait(30)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -79,13 +80,33 @@ def hostile(raw: bytes) -> list[bytes]:
     return [raw[:cut] for cut in range(1, len(raw))] + [raw[:-1] + b"\xff", b"\x12\xff\xff\xff\xff\x0f"]
 
 
-def test_truncated_or_garbled_messages_raise_typed_errors():
+def test_truncated_or_garbled_messages_are_read_as_protobuf_reads_them():
+    """Each hostile variant is either refused with a typed error, as protobuf refuses
+    it (or as our column checks refuse what protobuf parses), or decoded to exactly
+    what protobuf decodes: garbage is never silently accepted."""
     raw = encode_with_batch(PUSH_BATCH_FIELD, {"x": np.arange(6, dtype=np.int64)}, "buf")
+    outcomes = set()
     for bad in hostile(raw):
-        try:
-            decode_batch_field(bad, PUSH_BATCH_FIELD)
-        except millpond.InvalidArgumentError:
-            pass  # typed, and never an out-of-bounds read
+        outcomes.add(same_as_protobuf(bad))
+    assert outcomes == {"refused", "decoded"}  # both kinds occur among the variants
+
+
+def same_as_protobuf(message: bytes) -> str:
+    try:
+        ours = decode_batch_field(message, PUSH_BATCH_FIELD)
+    except millpond.InvalidArgumentError as exc:
+        ours = exc
+    try:
+        theirs = decode_batch(pb.PushBatchRequest.FromString(message).batch)
+    except DecodeError:
+        assert isinstance(ours, millpond.InvalidArgumentError), (message, ours)
+        return "refused"
+    except millpond.InvalidArgumentError as exc:  # parsed, but its columns are not sound
+        assert type(ours) is type(exc), (message, ours, exc)
+        return "refused"
+    assert not isinstance(ours, Exception), (message, ours)
+    assert same_columns(ours, theirs), message
+    return "decoded"
 
 
 @pytest.mark.parametrize(

@@ -90,7 +90,7 @@ def test_server_without_shm_means_grpc_silently_or_an_error_when_required(tmp_pa
         buf.push_batch(**transitions(0, 4))
         assert len(buf) == 4
         with pytest.raises(millpond.SharedMemoryError, match="--no-shm"):
-            millpond.connect(server.address, shm=True).transport
+            _ = millpond.connect(server.address, shm=True).transport
 
 
 @needs_root
@@ -157,7 +157,8 @@ def test_small_shared_memory_limit_falls_back_to_grpc_with_the_same_result(tmp_p
 
 HOLDING_CLIENT = """
     import millpond, numpy as np, sys
-    buf = millpond.connect({address!r}).create_buffer("held", capacity=1000, fields={{"x": ("float32", (256,))}})
+    fields = {{"x": ("float32", (256,))}}
+    buf = millpond.connect({address!r}).create_buffer("held", capacity=1000, fields=fields)
     buf.push_batch(x=np.ones((1000, 256), np.float32))
     results = [buf.sample(500) for _ in range(3)]  # three live result segments
     print(millpond.connect({address!r}).transport, flush=True)

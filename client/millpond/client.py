@@ -17,12 +17,12 @@ before ``fork`` or passed to ``spawn``-ed actors work in the child.
 
 from __future__ import annotations
 
-import numbers
 import os
 import threading
 from collections import Counter
 from typing import Any, Mapping
 
+from .core.checks import is_real
 from .core.config import BufferConfig
 from .core.info import BufferInfo
 from .core.ratelimit import RateLimiter
@@ -84,7 +84,7 @@ class Client:
             raise InvalidConfigError(f"shm must be True, False or 'auto', got {shm!r}")
         if not isinstance(push_batch_size, int) or push_batch_size < 1:
             raise InvalidConfigError(f"push_batch_size must be >= 1, got {push_batch_size!r}")
-        if not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
+        if not is_real(timeout) or isinstance(timeout, bool) or not 0 < timeout < float("inf"):
             raise InvalidConfigError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
         self.address = address
         self.timeout = float(timeout)

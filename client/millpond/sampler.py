@@ -7,14 +7,14 @@ learner that is slower than the server never waits on a round trip.
 
 from __future__ import annotations
 
-import numbers
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, cast
 
 import numpy as np
 
 from .core.buffer import check_batch_size, check_seed
+from .core.checks import is_integral
 from .errors import InvalidArgumentError
 
 SampleFn = Callable[[int, "int | None"], dict[str, np.ndarray]]
@@ -57,11 +57,11 @@ class Sampler:
         if not callable(sample):
             raise InvalidArgumentError("sample must be callable")
         batch_size = check_batch_size(batch_size)
-        if not isinstance(prefetch, numbers.Integral) or isinstance(prefetch, bool) or prefetch < 1:
+        if not is_integral(prefetch) or isinstance(prefetch, bool) or prefetch < 1:
             raise InvalidArgumentError(f"prefetch must be an integer >= 1, got {prefetch!r}")
         seed = check_seed(seed)
         if max_batches is not None and (
-            not isinstance(max_batches, numbers.Integral) or isinstance(max_batches, bool)
+            not is_integral(max_batches) or isinstance(max_batches, bool)
             or max_batches < 0
         ):
             raise InvalidArgumentError(
@@ -127,7 +127,7 @@ class _State:
 
     def _start(self) -> None:
         # Called with the lock held, on the first next().
-        for k in range(self.prefetch):
+        for _ in range(self.prefetch):
             thread = threading.Thread(target=_work, args=(self,), name=THREAD_NAME, daemon=True)
             self.threads.append(thread)
             thread.start()
@@ -181,6 +181,12 @@ class _State:
                 thread.join()
 
 
+class _OwnedLock(Protocol):
+    """An RLock as the finalizer uses it: its ``_is_owned`` is not in the typeshed stubs."""
+
+    def _is_owned(self) -> bool: ...
+
+
 def _shut_from_finalizer(state: _State) -> None:
     """Stop the workers of a collected sampler.
 
@@ -188,7 +194,7 @@ def _shut_from_finalizer(state: _State) -> None:
     inside ``Condition.wait`` before registering as a waiter; a notify then
     would be lost. Notify from a new thread in that case.
     """
-    if state.lock._is_owned():
+    if cast(_OwnedLock, state.lock)._is_owned():
         threading.Thread(target=state.shut, name="millpond-sampler-stop", daemon=True).start()
     else:
         state.shut()
@@ -206,6 +212,7 @@ def _work(state: _State) -> None:
                 room.wait()
             i = state.issued
             state.issued = i + 1
+        result: tuple[bool, Any]
         try:
             seed = None if state.seed is None else state.seed + i
             result = (True, state.sample(state.batch_size, seed))

@@ -1,8 +1,10 @@
-"""millpond_server: the gRPC daemon serving named millpond buffers.
+"""millpond_server: the daemon serving named millpond buffers.
 
-Layers (DESIGN.md section 2): :mod:`.registry` (named buffers, no gRPC),
-:mod:`.service` (grpc.aio handlers: decode -> engine -> encode, one error
-translator), :mod:`.app` (server lifecycle, signals), :mod:`.config` and
+Layers (see docs/ARCHITECTURE.md): :mod:`.registry` (named buffers and their
+files, no gRPC), :mod:`.operations` (what clients may ask, for every
+transport: errors, readiness, rate-limit waits), :mod:`.service` (the gRPC
+service: decode, operate, encode) and :mod:`.fastpath` (the same-host
+shared-memory sessions), :mod:`.app` (lifecycle, signals), :mod:`.config` and
 :mod:`.cli` (flags, environment, TOML).
 """
 

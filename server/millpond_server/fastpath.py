@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 
 from millpond.core.checks import check_batch_size, check_seed, check_timeout
-from millpond.core.schema import Schema
 from millpond.errors import InvalidArgumentError, InvalidConfigError, SharedMemoryError
 from millpond.shm import memfd, protocol
 
 from .operations import Operations
+from . import shm_requests as req
 
 log = logging.getLogger("millpond.fastpath")
 
@@ -197,7 +197,7 @@ class FastPathSession(threading.Thread):
         return self.ops.admit_from_thread(budget, self.peer_gone, fn, *args)
 
     def hello(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
-        _no_fds(fds)
+        req.no_fds(fds)
         if message.get("version") != protocol.VERSION:
             raise InvalidArgumentError(
                 f"fast-path protocol version {message.get('version')!r}; "
@@ -225,15 +225,17 @@ class FastPathSession(threading.Thread):
             raise InvalidArgumentError("push_segment needs exactly one fd")
         size = message.get("size")
         segment = self._reserve(size)
+        assert isinstance(size, int)  # checked by _reserve
         memfd.check_segment(fds[0], size)
         self.push_segments[segment] = memfd.map_segment(fds[0], size, writable=False)
         self.reserved += size
         return {"ok": True, "segment": segment}, []
 
     def new_result_segment(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
-        _no_fds(fds)
+        req.no_fds(fds)
         size = message.get("size")
         segment = self._reserve(size)
+        assert isinstance(size, int)  # checked by _reserve
         fd = memfd.create_segment(size, f"millpond-result-{self.pid}")
         try:
             self.result_segments[segment] = memfd.map_segment(fd, size, writable=True)
@@ -244,7 +246,7 @@ class FastPathSession(threading.Thread):
         return {"ok": True, "segment": segment}, [readonly]
 
     def release(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
-        _no_fds(fds)
+        req.no_fds(fds)
         segment = message.get("segment")
         for table in (self.push_segments, self.result_segments):
             if segment in table:
@@ -252,59 +254,59 @@ class FastPathSession(threading.Thread):
                                       if k[0] != segment}
                 mm = table.pop(segment)
                 self.reserved -= len(mm)
-                _close_map(mm)
+                req.close_map(mm)
                 return {"ok": True}, []
         raise InvalidArgumentError(f"no segment {segment!r} in this session")
 
     # ---- data -----------------------------------------------------------------------
 
     def push(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
-        _no_fds(fds)
-        name = _name(message)
+        req.no_fds(fds)
+        name = req.buffer_name(message)
         schema = self.ops.registry.get(name).schema
-        mm = _segment(self.push_segments, message.get("segment"))
-        n = _count(message)
+        mm = req.mapped(self.push_segments, message.get("segment"))
+        n = req.record_count(message)
         columns = message.get("columns")
         if not isinstance(columns, list):
             raise InvalidArgumentError("columns must be a list of [name, offset, dtype, shape]")
-        views = dict(_column_view(mm, schema, entry, n) for entry in columns)
+        views = dict(req.column_view(mm, schema, entry, n) for entry in columns)
         priorities = None
         if "priorities" in message:  # a copy: the client could still change them
-            priorities = _vector(mm, message["priorities"], protocol.PRIORITY_DTYPE, n,
+            priorities = req.vector(mm, message["priorities"], protocol.PRIORITY_DTYPE, n,
                                  "priorities").copy()
         size, pushed = self._admit(message, self.ops.push_batch, name, views, priorities)
         return {"ok": True, "size": size, "pushed": pushed}, []
 
     def update_priorities(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
-        _no_fds(fds)
-        mm = _segment(self.push_segments, message.get("segment"))
-        n = _count(message)
+        req.no_fds(fds)
+        mm = req.mapped(self.push_segments, message.get("segment"))
+        n = req.record_count(message)
         # Copies: the engine must not see values change after it checked them.
-        indices = _vector(mm, message.get("indices"), protocol.INDEX_DTYPE, n, "indices").copy()
-        priorities = _vector(mm, message.get("priorities"), protocol.PRIORITY_DTYPE, n,
+        indices = req.vector(mm, message.get("indices"), protocol.INDEX_DTYPE, n, "indices").copy()
+        priorities = req.vector(mm, message.get("priorities"), protocol.PRIORITY_DTYPE, n,
                              "priorities").copy()
-        updated = self.ops.update_priorities(_name(message), indices, priorities)
+        updated = self.ops.update_priorities(req.buffer_name(message), indices, priorities)
         return {"ok": True, "updated": updated}, []
 
     def set_beta(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
-        _no_fds(fds)
+        req.no_fds(fds)
         beta = message.get("beta")
         if not isinstance(beta, float):  # the client sends floats; the engine checks the range
             raise InvalidConfigError(f"beta must be a finite number >= 0, got {beta!r}")
-        self.ops.set_beta(_name(message), beta)
+        self.ops.set_beta(req.buffer_name(message), beta)
         return {"ok": True}, []
 
     def sample(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
-        _no_fds(fds)
-        name = _name(message)
+        req.no_fds(fds)
+        name = req.buffer_name(message)
         buffer = self.ops.registry.get(name)
-        mm = _segment(self.result_segments, message.get("segment"))
+        mm = req.mapped(self.result_segments, message.get("segment"))
         batch_size = check_batch_size(message.get("batch_size"))
         seed = check_seed(message.get("seed"))
         offset = message.get("offset")
         extras = buffer.config.prioritized is not None
         spans, extra_spans, total = protocol.sample_layout(buffer.schema, batch_size, extras)
-        segment_view(mm, offset, np.dtype(np.uint8), total, "sample", protocol.ALIGN)
+        req.segment_view(mm, offset, np.dtype(np.uint8), total, "sample", protocol.ALIGN)
         key = (message["segment"], offset, batch_size, name, buffer.schema)
         views = self._sample_views.get(key)
         if views is None:  # learners repeat the same request shape: build views once
@@ -336,83 +338,7 @@ class FastPathSession(threading.Thread):
         self._sample_views.clear()
         for table in (self.push_segments, self.result_segments):
             for mm in table.values():
-                _close_map(mm)
+                req.close_map(mm)
             table.clear()
         self.conn.close()
         self.server._ended(self)
-
-
-# ---- request fields, checked -----------------------------------------------------------
-
-def segment_view(mm: mmap.mmap, offset: Any, dtype: np.dtype, count: int, what: str,
-                 align: int | None = None) -> np.ndarray:
-    """The ``count`` items of ``dtype`` at ``offset`` in a segment, after checking that
-    ``offset`` is a non-negative int, aligned (to the item size, or ``align``),
-    and that the bytes fit the segment. A view: copy what must not change."""
-    nbytes = count * dtype.itemsize
-    align = align or dtype.itemsize
-    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 \
-            or offset % align or offset + nbytes > len(mm):
-        raise InvalidArgumentError(
-            f"{what}: {nbytes:,} bytes at offset {offset!r} do not fit the "
-            f"{len(mm):,}-byte segment")
-    return np.frombuffer(mm, dtype, count, offset)
-
-
-def _column_view(mm: mmap.mmap, schema: Schema, entry: Any, n: int) -> tuple[str, np.ndarray]:
-    if not (isinstance(entry, list) and len(entry) == 4):
-        raise InvalidArgumentError("each column must be [name, offset, dtype, shape]")
-    name, offset, dtype, shape = entry
-    try:
-        field = schema[name]
-    except (KeyError, TypeError):
-        raise InvalidArgumentError(f"unknown field {name!r}") from None
-    if dtype != field.dtype.str or shape != [n, *field.shape]:
-        raise InvalidArgumentError(
-            f"field {name!r}: expected {field.dtype.str}{[n, *field.shape]}, got {dtype}{shape}")
-    view = segment_view(mm, offset, field.dtype, n * field.size, f"field {name!r}")
-    return name, view.reshape((n, *field.shape))
-
-
-def _vector(mm: mmap.mmap, entry: Any, dtype: np.dtype, n: int, what: str) -> np.ndarray:
-    """The ``[offset, dtype, [n]]`` vector in a client's segment (a view)."""
-    if not (isinstance(entry, list) and len(entry) == 3):
-        raise InvalidArgumentError(f"{what} must be [offset, dtype, [n]]")
-    offset, dtype_str, shape = entry
-    if dtype_str != dtype.str or shape != [n]:
-        raise InvalidArgumentError(f"{what}: expected {dtype.str}{[n]}, got {dtype_str}{shape}")
-    return segment_view(mm, offset, dtype, n, what)
-
-
-def _name(message: dict) -> str:
-    name = message.get("buffer")
-    if not isinstance(name, str):
-        raise InvalidArgumentError(f"buffer must be a name, got {name!r}")
-    return name
-
-
-def _no_fds(fds: list[int]) -> None:
-    if fds:
-        raise InvalidArgumentError("this request takes no fds")
-
-
-def _segment(table: dict[int, mmap.mmap], segment: Any) -> mmap.mmap:
-    try:
-        return table[segment]
-    except (KeyError, TypeError):
-        raise InvalidArgumentError(f"no such segment {segment!r} in this session") from None
-
-
-def _count(message: dict) -> int:
-    """The request's record count ``n``, checked."""
-    n = message.get("n")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise InvalidArgumentError(f"n must be a non-negative integer, got {n!r}")
-    return n
-
-
-def _close_map(mm: mmap.mmap) -> None:
-    try:
-        mm.close()
-    except BufferError:
-        pass  # a view is still alive somewhere; the map goes when it does

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-import time
 import weakref
 from typing import Any, Callable, Mapping
 
@@ -25,7 +24,6 @@ from ..errors import (
     InvalidArgumentError,
     InvalidConfigError,
     NotEnoughDataError,
-    RateLimitTimeoutError,
 )
 from .bufferfile import BufferFile
 from .checks import check_batch_size, check_indices, check_priorities, check_seed, check_timeout
@@ -72,8 +70,9 @@ class TieredBuffer:
                 os.fspath(path) if path is not None else _temp_path(), config.schema, hot, total,
                 persistent=persistent, extra_meta=config.sampling_meta(),
                 slot_arrays=slot_arrays_for(config) if persistent else None)
-        hot_tier = file.hot_tier if persistent else Tier.in_memory(config.schema, hot)
-        fifo = Fifo(config.schema, hot_tier, file and file.tier, total, file,
+        hot_tier = file.hot_tier if file is not None and persistent else Tier.in_memory(config.schema, hot)
+        assert hot_tier is not None  # a persistent buffer's file (made above) holds its hot tier
+        fifo = Fifo(config.schema, hot_tier, None if file is None else file.tier, total, file,
                     durable=persistent, sync_every_push=sync_every_push)
         self._setup(config, fifo, persistent)
 
@@ -102,12 +101,8 @@ class TieredBuffer:
         self._fifo = fifo
         self._strategy = strategy_for(config, fifo, fifo.file, persistent)
         fifo.listener = self._strategy
-        self._rate = RateState(config.rate_limiter)
         self._lock = threading.Lock()
-        # Waiting pushes and samples sleep here; every change that may let
-        # them proceed notifies it (and the listeners, e.g. a server's loop).
-        self._changed_cond = threading.Condition(self._lock)
-        self._listeners: list[Callable[[], None]] = []
+        self._rate = RateState(config.rate_limiter, self._lock)
         self._closed = False
         self._rng = np.random.default_rng()
         if fifo.file is not None:
@@ -157,8 +152,8 @@ class TieredBuffer:
             self._check_open()
             fifo, proportional = self._fifo, self._proportional(required=False)
             return BufferInfo(
-                self.config, path=self.path, beta=proportional and proportional.beta,
-                max_priority=proportional and proportional.max_priority,
+                self.config, path=self.path, beta=None if proportional is None else proportional.beta,
+                max_priority=None if proportional is None else proportional.max_priority,
                 size=self._size(), pushed=fifo.pushed, hot_size=fifo.pushed - fifo.hot_lo,
                 cold_size=fifo.hot_lo - fifo.first, damaged=len(fifo.holes), **self._rate.stats())
 
@@ -202,11 +197,12 @@ class TieredBuffer:
         with self._lock:
             self._check_open()
             if n and limiter is not None:
-                self._await("insert", n, lambda: self._rate.can_insert(n, self._size()), timeout)
+                self._rate.wait_until("insert", n, lambda: self._rate.can_insert(n, self._size()),
+                                      timeout, self._size, self._check_open)
             old, new = self._fifo.append(n, batch)
             self._strategy.appended(old, new, priorities)
             self._rate.inserts += n
-            self._changed()
+            self._rate.changed()
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """Set new priorities for sampled records; returns how many were still live.
@@ -215,6 +211,7 @@ class TieredBuffer:
         used up) since then are ignored: their slot may hold a newer record.
         """
         proportional = self._proportional()
+        assert proportional is not None  # required: raised otherwise
         seqs = check_indices(indices)
         values = check_priorities(priorities, len(seqs))
         with self._lock:
@@ -227,6 +224,7 @@ class TieredBuffer:
     def set_beta(self, beta: float) -> None:
         """Set the importance-sampling exponent (anneal it towards 1)."""
         proportional = self._proportional()
+        assert proportional is not None  # required: raised otherwise
         proportional.beta = check_exponent("beta", beta)
 
     def _proportional(self, required: bool = True) -> Proportional | None:
@@ -239,51 +237,17 @@ class TieredBuffer:
 
     # ---- waiting for the rate limiter -----------------------------------------
 
-    def _await(self, kind: str, n: int, ready: Callable[[], bool], timeout: float | None) -> None:
-        """Wait (lock held) until ``ready()``, at most ``timeout`` seconds; count the wait.
-
-        The RateLimitTimeoutError says what waited (``kind``, ``n`` records):
-        a caller that only tries (``timeout=0``) may wait elsewhere and retry.
-        """
-        if ready():
-            return
-        if timeout == 0:  # a try-only call is not a wait
-            raise RateLimitTimeoutError(self._timeout_message(kind, timeout), kind, n)
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
-        self._rate.wait_started(kind)
-        try:
-            while not ready():
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise RateLimitTimeoutError(self._timeout_message(kind, timeout), kind, n)
-                self._changed_cond.wait(remaining)
-                self._check_open()
-        finally:
-            self._rate.wait_ended(kind, time.monotonic() - start)
-
-    def _timeout_message(self, kind: str, timeout: float | None) -> str:
-        return (f"{kind} timed out after {timeout:g} s waiting for the rate limiter "
-                f"({self._rate.describe(self._size())})")
-
     def describe_rate(self) -> str:
         """The rate limiter's state in words (for timeout messages)."""
         with self._lock:
             return self._rate.describe(self._size())
-
-    def _changed(self) -> None:
-        """Wake waiting pushes and samples (lock held): the state has changed."""
-        if self._rate.limiter is not None:
-            self._changed_cond.notify_all()
-            for listener in self._listeners:
-                listener()
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` (cheap, non-blocking, lock held) after every change that
         may let a rate-limited push or sample proceed, and at close: for waiters
         that cannot sleep on this buffer's condition, like an event loop."""
         with self._lock:
-            self._listeners.append(listener)
+            self._rate.add_listener(listener)
 
     def would_wait(self, kind: str, n: int) -> bool:
         """Whether a push (``kind="insert"``) or sample of ``n`` records would wait now.
@@ -339,7 +303,8 @@ class TieredBuffer:
                 if batch_size > self._size():
                     raise NotEnoughDataError(f"batch_size {batch_size} > buffer len {self._size()}")
             else:
-                self._await("sample", batch_size, lambda: self._sample_ready(batch_size), timeout)
+                self._rate.wait_until("sample", batch_size, lambda: self._sample_ready(batch_size),
+                                      timeout, self._size, self._check_open)
             if self.config.mode == "queue":
                 seqs = self._fifo.take_oldest(batch_size)
                 result = self._fifo.gather(seqs, out)
@@ -358,7 +323,7 @@ class TieredBuffer:
                     seqs, extras = seqs[order], {k: v[order] for k, v in extras.items()}
                 result = {**self._fifo.gather(seqs, out), **extras}
             self._rate.samples += batch_size
-            self._changed()
+            self._rate.changed()
             return result
 
     def _sample_ready(self, batch_size: int) -> bool:
@@ -406,7 +371,7 @@ class TieredBuffer:
             if self._closed:
                 return
             self._closed = True
-            self._changed()  # waiters wake up and raise BufferClosedError
+            self._rate.changed()  # waiters wake up and raise BufferClosedError
             _unmap(self._fifo, self._strategy, delete)
 
     def _check_open(self) -> None:

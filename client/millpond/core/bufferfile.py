@@ -111,7 +111,7 @@ class BufferFile:
                  counters: tuple[int, int, int, int] = (0, 0, 0, 0)):
         self.path = path
         self._fd = fd
-        self._mm = mm
+        self._mm: mmap.mmap | None = mm  # None once closed
         self.meta = meta
         self.schema = schema
         self.generation, self.pushed, self.first, self.hot_lo = counters
@@ -227,6 +227,7 @@ class BufferFile:
         """Record the live ranges: the commit point of every step of a push."""
         self.generation += 1
         counters = (self.generation, pushed, first, hot_lo)
+        assert self._mm is not None  # the buffer commits only while open, under its lock
         _SLOT.pack_into(self._mm, _SLOT_OFFSETS[self.generation % 2], *counters,
                         _slot_crc(*counters))
         self.pushed, self.first, self.hot_lo = pushed, first, hot_lo

@@ -7,16 +7,32 @@ argument raises the same typed error wherever it is caught first.
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
 from ..errors import InvalidArgumentError, InvalidBatchSizeError
 
 
+def is_integral(value: object) -> TypeGuard[int]:
+    """``isinstance(value, numbers.Integral)`` (bool and numpy integers included).
+
+    Typed as a guard for ``int`` (and :func:`is_real` for ``float``): mypy
+    takes ``int`` and ``numbers.Integral`` for disjoint, so a plain
+    ``isinstance`` on an ``int`` argument makes the code after it unreachable
+    to the type checker, and the ``numbers`` stubs lack most comparisons.
+    """
+    return isinstance(value, numbers.Integral)
+
+
+def is_real(value: object) -> TypeGuard[float]:
+    """``isinstance(value, numbers.Real)`` (bool, ints and numpy numbers included)."""
+    return isinstance(value, numbers.Real)
+
+
 def check_batch_size(batch_size: Any) -> int:
     """Return ``batch_size`` as an int, or raise InvalidBatchSizeError."""
-    if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool):
+    if not is_integral(batch_size) or isinstance(batch_size, bool):
         raise InvalidBatchSizeError(f"batch_size must be an integer, got {batch_size!r}")
     if batch_size <= 0:
         raise InvalidBatchSizeError(f"batch_size must be > 0, got {batch_size}")
@@ -27,7 +43,7 @@ def check_seed(seed: Any) -> int | None:
     """Return ``seed`` (None, or an int in [0, 2**64)), or raise InvalidArgumentError."""
     if seed is None:
         return None
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+    if not is_integral(seed) or isinstance(seed, bool) or not 0 <= seed < 2**64:
         raise InvalidArgumentError(f"seed must be None or an integer in [0, 2**64), got {seed!r}")
     return int(seed)
 
@@ -36,7 +52,7 @@ def check_timeout(timeout: Any) -> float | None:
     """Return ``timeout`` (None, or finite seconds >= 0) as a float, or raise InvalidArgumentError."""
     if timeout is None:
         return None
-    if (not isinstance(timeout, numbers.Real) or isinstance(timeout, bool)
+    if (not is_real(timeout) or isinstance(timeout, bool)
             or not 0 <= timeout < float("inf")):
         raise InvalidArgumentError(
             f"timeout must be None or a finite number of seconds >= 0, got {timeout!r}")

@@ -10,11 +10,11 @@ user-facing arguments; :class:`BufferConfig` itself validates the result.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from ..errors import InvalidConfigError
+from .checks import is_integral, is_real
 from .ratelimit import Queue, RateLimiter
 from .schema import Schema
 
@@ -22,14 +22,14 @@ MODES = ("replay", "queue", "stack")
 
 
 def _positive_int(label: str, value: Any) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+    if not is_integral(value) or isinstance(value, bool) or value <= 0:
         raise InvalidConfigError(f"{label} must be a positive integer, got {value!r}")
     return int(value)
 
 
 def check_exponent(label: str, value: Any) -> float:
     """``value`` as a finite float >= 0 (alpha, beta), or InvalidConfigError."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 <= value < math.inf:
+    if not is_real(value) or isinstance(value, bool) or not 0 <= value < math.inf:
         raise InvalidConfigError(f"{label} must be a finite number >= 0, got {value!r}")
     return float(value)
 
@@ -91,7 +91,7 @@ class BufferConfig:
             raise InvalidConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         limit = self.max_times_sampled
         if limit is not None:
-            if not isinstance(limit, numbers.Integral) or isinstance(limit, bool) or limit < 0:
+            if not is_integral(limit) or isinstance(limit, bool) or limit < 0:
                 raise InvalidConfigError(
                     f"max_times_sampled must be an integer >= 0 (0: unlimited), got {limit!r}")
             limit = int(limit) or None
@@ -99,8 +99,6 @@ class BufferConfig:
             raise InvalidConfigError(f"a {self.mode} removes every record it returns: "
                                      "max_times_sampled is for mode='replay'")
         limiter = self.rate_limiter
-        if isinstance(limiter, Mapping):
-            limiter = RateLimiter.from_dict(limiter)
         if limiter is not None and not isinstance(limiter, RateLimiter):
             raise InvalidConfigError(
                 "rate_limiter must come from millpond.MinSize, SampleToInsertRatio or Queue")
@@ -130,7 +128,7 @@ class BufferConfig:
         mode: str = "replay",
         max_times_sampled: Any = None,
         rate_limiter: Any = None,
-        prioritized: bool | Prioritized = False,
+        prioritized: bool | Prioritized | None = False,
         alpha: float = 0.6,
         beta: float = 0.4,
     ) -> "BufferConfig":
@@ -144,6 +142,8 @@ class BufferConfig:
         and ``beta``.
         """
         hot, total = resolve_capacities(capacity, hot_capacity, total_capacity)
+        if isinstance(rate_limiter, Mapping):  # RateLimiter.to_dict()'s form
+            rate_limiter = RateLimiter.from_dict(rate_limiter)
         if prioritized is True:
             prioritized = Prioritized(alpha, beta)
         elif prioritized is False or prioritized is None:

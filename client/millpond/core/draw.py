@@ -50,7 +50,7 @@ def strategy_for(config: BufferConfig, fifo: Fifo, file: BufferFile | None, pers
     """The drawing strategy of a replay-mode buffer with ``config``."""
     keep = file if persistent else None
     if config.prioritized is not None:
-        inner: Uniform | UniformTree | Proportional = Proportional(fifo, config.prioritized, keep)
+        inner: UniformTree | Proportional = Proportional(fifo, config.prioritized, keep)
     elif config.max_times_sampled:
         inner = UniformTree(fifo)
     else:
@@ -176,7 +176,9 @@ class Proportional(_Tree):
         """The file's priority and priority_seq arrays. Looked up on each use rather
         than kept: the map cannot close while a view of it is alive."""
         assert self.file is not None
-        return self.file.slot_array("priority"), self.file.slot_array("priority_seq")
+        stored, owners = self.file.slot_array("priority"), self.file.slot_array("priority_seq")
+        assert stored is not None and owners is not None  # checked once: ``persisted``
+        return stored, owners
 
     def appended(self, lo: int, hi: int, priorities: np.ndarray | None) -> None:
         start = max(lo, self.fifo.first)

@@ -83,12 +83,12 @@ class BufferInfo(Mapping[str, Any]):
     @property
     def rate_limiter(self) -> dict[str, Any] | None:
         limiter = self.config.rate_limiter
-        return limiter and limiter.to_dict()
+        return None if limiter is None else limiter.to_dict()
 
     @property
     def prioritized(self) -> dict[str, float] | None:
         p = self.config.prioritized
-        return p and {"alpha": p.alpha, "beta": p.beta}
+        return None if p is None else {"alpha": p.alpha, "beta": p.beta}
 
     # ---- the mapping -----------------------------------------------------------------
 

@@ -14,17 +14,20 @@ it holds now::
 So ``inserts * samples_per_insert - samples`` stays within ``[min_diff,
 max_diff]``: learners cannot run ahead of actors, nor actors ahead of
 learners, by more than the band. No locking here: the buffer's lock guards
-the state, and the buffer does the waiting.
+the state; :meth:`RateState.wait_until` makes calls wait on a condition of
+that lock, and :meth:`RateState.changed` wakes them (and any listeners).
 """
 
 from __future__ import annotations
 
 import math
-import numbers
+import threading
+import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable, Mapping
 
-from ..errors import InvalidArgumentError, InvalidConfigError
+from ..errors import InvalidArgumentError, InvalidConfigError, RateLimitTimeoutError
+from .checks import is_integral, is_real
 
 
 @dataclass(frozen=True)
@@ -41,13 +44,13 @@ class RateLimiter:
 
     def __post_init__(self) -> None:
         spi, size = self.samples_per_insert, self.min_size_to_sample
-        if not isinstance(spi, numbers.Real) or isinstance(spi, bool) or not 0 < spi < math.inf:
+        if not is_real(spi) or isinstance(spi, bool) or not 0 < spi < math.inf:
             raise InvalidConfigError(f"samples_per_insert must be a finite number > 0, got {spi!r}")
-        if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
+        if not is_integral(size) or isinstance(size, bool) or size < 1:
             raise InvalidConfigError(f"min_size_to_sample must be an integer >= 1, got {size!r}")
         for label in ("min_diff", "max_diff"):
             value = getattr(self, label)
-            if not isinstance(value, numbers.Real) or isinstance(value, bool) or math.isnan(value):
+            if not is_real(value) or isinstance(value, bool) or math.isnan(value):
                 raise InvalidConfigError(f"{label} must be a number, got {value!r}")
         if not self.min_diff <= self.max_diff:
             raise InvalidConfigError(
@@ -91,7 +94,7 @@ class RateLimiter:
                 for k, v in asdict(self).items()}
 
     @classmethod
-    def from_dict(cls, spec: dict[str, Any]) -> "RateLimiter":
+    def from_dict(cls, spec: Mapping[str, Any]) -> "RateLimiter":
         min_diff, max_diff = spec.get("min_diff"), spec.get("max_diff")
         return cls(spec["samples_per_insert"], spec["min_size_to_sample"],
                    -math.inf if min_diff is None else min_diff,
@@ -117,7 +120,7 @@ def SampleToInsertRatio(samples_per_insert: float, min_size_to_sample: int,  # n
     if isinstance(error_buffer, tuple):
         min_diff, max_diff = error_buffer
     else:
-        if not isinstance(error_buffer, numbers.Real) or isinstance(error_buffer, bool) \
+        if not is_real(error_buffer) or isinstance(error_buffer, bool) \
                 or not error_buffer >= 0:
             raise InvalidConfigError(f"error_buffer must be a number >= 0, got {error_buffer!r}")
         offset = samples_per_insert * min_size_to_sample
@@ -135,10 +138,19 @@ def Queue(size: int) -> RateLimiter:  # noqa: N802
 
 
 class RateState:
-    """One buffer's counters, its waits, and the rule applied to them (lock held by caller)."""
+    """One buffer's counters, its waits, and the rule applied to them.
 
-    def __init__(self, limiter: RateLimiter | None):
+    Every method runs with the buffer's ``lock`` held, except
+    :meth:`wait_started` / :meth:`wait_ended` when a server calls them (see
+    :meth:`millpond.core.TieredBuffer.wait_started`).
+    """
+
+    def __init__(self, limiter: RateLimiter | None, lock: Any = None):
         self.limiter = limiter
+        # Waiting calls sleep here; every change that may let them proceed
+        # notifies it, and the listeners (e.g. a server's event loop).
+        self._cond = threading.Condition(lock or threading.Lock())
+        self._listeners: list[Callable[[], None]] = []
         self.inserts = 0
         self.samples = 0
         self.offset = 0.0  # added to the diff: a reopened buffer restarts mid-band
@@ -184,6 +196,48 @@ class RateState:
                 f"{self.inserts} inserts x {lim.samples_per_insert:g} - {self.samples} samples"
                 + (f" + {self.offset:g} from before the reopen" if self.offset else "")
                 + f" = diff {self.diff():g}, allowed band [{lim.min_diff:g}, {lim.max_diff:g}]")
+
+    # ---- waiting --------------------------------------------------------------------
+
+    def wait_until(self, kind: str, n: int, ready: Callable[[], bool], timeout: float | None,
+                   size: Callable[[], int], still_open: Callable[[], None]) -> None:
+        """Wait until ``ready()``, at most ``timeout`` seconds (None: no limit); count the wait.
+
+        ``size()`` is the buffer's size (for messages); ``still_open()``
+        raises if the buffer was closed meanwhile. The RateLimitTimeoutError
+        says what waited (``kind``, ``n`` records): a caller that only tries
+        (``timeout=0``) may wait elsewhere and retry.
+        """
+        if ready():
+            return
+        if timeout == 0:  # a try-only call is not a wait
+            raise RateLimitTimeoutError(self._timed_out(kind, timeout, size()), kind, n)
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        self.wait_started(kind)
+        try:
+            while not ready():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise RateLimitTimeoutError(self._timed_out(kind, timeout, size()), kind, n)
+                self._cond.wait(remaining)
+                still_open()
+        finally:
+            self.wait_ended(kind, time.monotonic() - start)
+
+    def _timed_out(self, kind: str, timeout: float | None, size: int) -> str:
+        return (f"{kind} timed out after {timeout:g} s waiting for the rate limiter "
+                f"({self.describe(size)})")
+
+    def changed(self) -> None:
+        """Wake waiting calls and listeners: the state has changed (or the buffer closed)."""
+        if self.limiter is not None:
+            self._cond.notify_all()
+            for listener in self._listeners:
+                listener()
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
 
     def wait_started(self, kind: str) -> None:
         self.waiting[kind] += 1

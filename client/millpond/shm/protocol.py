@@ -42,7 +42,7 @@ import json
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -83,7 +83,7 @@ def layout(schema: Schema, n: int) -> tuple[dict[str, tuple[int, int]], int]:
 
 
 # A prioritized sample's extra keys, as the engine returns them, in segment order.
-SAMPLE_EXTRAS = {"weights": np.dtype(np.float32), "indices": np.dtype(np.int64)}
+SAMPLE_EXTRAS: dict[str, np.dtype] = {"weights": np.dtype(np.float32), "indices": np.dtype(np.int64)}
 PRIORITY_DTYPE = np.dtype(np.float64)
 INDEX_DTYPE = np.dtype(np.int64)
 
@@ -112,7 +112,7 @@ def read_boot_id() -> str:
         return ""
 
 
-def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
     data = json.dumps(message, separators=(",", ":")).encode()
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     sock.sendmsg([data], ancillary)
@@ -188,5 +188,6 @@ def raise_for(reply: dict[str, Any]) -> dict[str, Any]:
     """Return a successful reply; raise the typed error a failed one names."""
     if reply.get("ok"):
         return reply
-    cls = _CLASSES.get(reply.get("code"), ReplayError)
+    code = reply.get("code")
+    cls = _CLASSES.get(code, ReplayError) if isinstance(code, str) else ReplayError
     raise cls(str(reply.get("message", "fast-path request failed")))

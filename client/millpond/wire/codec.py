@@ -9,7 +9,7 @@ matches the shape, so a hostile message cannot make us read out of bounds.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -115,8 +115,9 @@ def info_to_proto(info: BufferInfo) -> pb.BufferInfo:
 
 
 def info_from_proto(message: pb.BufferInfo) -> BufferInfo:
-    return BufferInfo(config_from_proto(message.config), name=message.name or None,
-                      path=message.path or None,
-                      **{key: getattr(message, key) if message.HasField(key) else None
-                         for key in PRIORITY_STATE},
-                      **{key: getattr(message, key) for key in COUNTERS})
+    config = config_from_proto(message.config)
+    state: dict[str, Any] = {key: getattr(message, key) if message.HasField(key) else None
+                             for key in PRIORITY_STATE}
+    counters: dict[str, Any] = {key: getattr(message, key) for key in COUNTERS}
+    return BufferInfo(config, name=message.name or None, path=message.path or None,
+                      **state, **counters)

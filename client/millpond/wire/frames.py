@@ -17,7 +17,7 @@ raises a typed error instead of reading out of bounds.
 from __future__ import annotations
 
 import struct
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -72,7 +72,7 @@ def _batch_parts(columns: Mapping[str, np.ndarray]) -> tuple[list, int]:
         prefix = _len_prefix(1, column_len)
         parts += [prefix, head]
         if arr.nbytes:
-            parts.append(memoryview(arr).cast("B"))
+            parts.append(arr.data.cast("B"))  # arr.data is memoryview(arr)
         length += len(prefix) + column_len
     return parts, length
 
@@ -124,9 +124,14 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def iter_fields(buf: memoryview) -> Iterator[tuple[int, int, object]]:
-    """Yield (field number, wire type, value); LEN values are memoryview slices."""
+def iter_fields(buf: memoryview) -> Iterator[tuple[int, int, Any]]:
+    """Yield (field number, wire type, value); LEN values are memoryview slices.
+
+    The value is an ``int`` (VARINT) or a ``memoryview`` (LEN, I64, I32): the
+    wire type tells which, hence ``Any``.
+    """
     pos = 0
+    value: int | memoryview
     while pos < len(buf):
         key, pos = _read_varint(buf, pos)
         field, wire_type = key >> 3, key & 7

@@ -61,5 +61,5 @@ def error_from_rpc(error: grpc.RpcError) -> e.ReplayError:
             code = value
     status = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(status)
-    cls = _CLASSES_BY_CODE.get(code) or _ERROR_BY_STATUS.get(status, e.ReplayError)
+    cls = (code is not None and _CLASSES_BY_CODE.get(code)) or _ERROR_BY_STATUS.get(status, e.ReplayError)
     return cls(details)

@@ -1,0 +1,257 @@
+"""Every buffer kind on every transport: in-process, gRPC and shared memory.
+
+Each test builds the same kind of buffer three ways, runs the same calls on
+each (seeded samples, bad input, ``timeout=`` values 0, negative, small and
+None, priorities) and checks that every call has the same outcome (the same
+arrays, or the same exception type) and that the buffers end in the same
+state. Threads sharing one client are checked on every transport too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import millpond
+
+FIELDS = {"id": ("int64", ()), "obs": ("float32", (3,))}
+KINDS = {
+    "ram": dict(capacity=12),
+    "tiered": dict(hot_capacity=4, total_capacity=12),
+    "prioritized": dict(hot_capacity=4, total_capacity=12, prioritized=True, alpha=0.7, beta=0.5),
+    "rate_limited": dict(hot_capacity=4, total_capacity=12,
+                         rate_limiter=millpond.SampleToInsertRatio(2.0, 4, error_buffer=10)),
+    "queue": dict(capacity=12, mode="queue"),
+    "stack": dict(hot_capacity=3, total_capacity=12, mode="stack"),
+    "max_times_sampled": dict(hot_capacity=4, total_capacity=12, max_times_sampled=2),
+}
+TRANSPORTS = ("local", "grpc", "shm")
+SMALL = 0.05  # seconds: a timeout short enough to expire in a test
+_names = itertools.count()
+
+
+def records(start: int, n: int) -> dict[str, np.ndarray]:
+    """Self-describing records: obs is derived from id."""
+    ids = np.arange(start, start + n)
+    return {"id": ids, "obs": np.repeat(ids[:, None] * 0.5, 3, axis=1).astype(np.float32)}
+
+
+def local_buffer(tmp_path, spec: dict):
+    """The in-process buffer for ``spec``, through the public constructors."""
+    spec = dict(spec)
+    hot = spec.pop("hot_capacity", spec.get("capacity"))
+    total = spec.pop("total_capacity", spec.pop("capacity", None))
+    path = tmp_path / f"local-{next(_names)}.buffer"
+    if spec.pop("prioritized", False):
+        return millpond.PrioritizedReplayBuffer(hot_capacity=hot, total_capacity=total,
+                                                cold_path=path, fields=FIELDS, **spec)
+    return millpond.MmapReplayBuffer(hot, total, cold_path=path, fields=FIELDS, **spec)
+
+
+@pytest.fixture
+def three(request, tmp_path):
+    """three(kind) -> {transport: buffer}, all of that kind, empty."""
+    made = []
+
+    def factory(kind: str, **client_options) -> dict:
+        spec = KINDS[kind]
+        server = request.getfixturevalue("shared_server")
+        name = f"kinds-{kind}-{next(_names)}"
+        bufs = {"local": local_buffer(tmp_path, spec)}
+        for transport in ("grpc", "shm"):
+            client = millpond.connect(server.address, shm=transport == "shm", **client_options)
+            assert client.transport == transport
+            bufs[transport] = client.create_buffer(f"{name}-{transport}", fields=FIELDS, **spec)
+        made.extend(bufs.values())
+        return bufs
+
+    yield factory
+    for buf in made:
+        buf.close()
+
+
+def outcome(call):
+    """What a call did: ("ok", comparable value) or ("error", exception type)."""
+    try:
+        value = call()
+    except millpond.ReplayError as exc:
+        return ("error", type(exc).__name__)
+    if isinstance(value, dict):
+        return ("ok", {k: (np.asarray(v).dtype.str, np.asarray(v).tolist()) for k, v in value.items()})
+    return ("ok", value)
+
+
+def state(buf) -> dict:
+    """What a user can observe of a buffer, less timings and names."""
+    info = dict(buf.info())
+    for key in ("name", "path", "insert_wait_seconds", "sample_wait_seconds"):
+        info.pop(key)
+    return info
+
+
+def run_everywhere(bufs: dict, calls: list) -> None:
+    """Run each call on every transport; assert the same outcomes and the same state."""
+    for step, call in enumerate(calls):
+        results = {transport: outcome(lambda b=buf, c=call: c(b)) for transport, buf in bufs.items()}
+        assert results["grpc"] == results["local"], (step, results)
+        assert results["shm"] == results["local"], (step, results)
+    states = {transport: state(buf) for transport, buf in bufs.items()}
+    assert states["grpc"] == states["local"] and states["shm"] == states["local"], states
+
+
+def common_calls(kind: str) -> list:
+    """A session of pushes, samples and mistakes; every outcome must agree across transports."""
+    calls = [
+        lambda b: len(b),
+        lambda b: b.push_batch(**records(0, 6)),
+        lambda b: [b.push(**{k: v[0] for k, v in records(6 + i, 1).items()}) for i in range(3)],
+        lambda b: len(b),
+        lambda b: b.push_batch(id=np.arange(3), obs=np.zeros((3, 2))),  # wrong shape
+        lambda b: b.push_batch(id=np.arange(2.0), obs=np.zeros((2, 3))),  # floats into int64
+        lambda b: b.push_batch(id=np.arange(2)),  # a field missing
+        lambda b: b.push_batch(**records(20, 2), timeout=-1),
+        lambda b: b.push(**{k: v[0] for k, v in records(30, 1).items()}, timeout=-0.5),
+        lambda b: b.push_batch(**records(20, 2), timeout=float("nan")),
+        lambda b: b.sample(2, timeout=-1),
+        lambda b: b.sample(2, timeout=float("inf")),
+        lambda b: b.sample(0),
+        lambda b: b.sample(2, seed=-1),
+        lambda b: b.sample(100),
+        # None waits without limit in-process (remote: the client's timeout), so
+        # these come where no kind has to wait; 0 and SMALL come where some do.
+        lambda b: b.sample(2, seed=4, timeout=None),
+        lambda b: b.push_batch(**records(48, 1), timeout=None),
+        lambda b: b.sample(3, seed=1),
+        lambda b: b.sample(3, seed=2, timeout=0),
+        lambda b: b.sample(2, seed=3, timeout=SMALL),
+        lambda b: b.push_batch(**records(40, 4), timeout=0),
+        lambda b: b.push_batch(**records(44, 4), timeout=SMALL),  # rate_limited: over the band
+        lambda b: b.sample(4, seed=5),
+        lambda b: len(b),
+    ]
+    if kind == "prioritized":
+        calls += [
+            lambda b: b.update_priorities(b.sample(4, seed=6)["indices"], [0.5, 2.0, 3.0, 1.0]),
+            lambda b: b.update_priorities([0, 1], [1.0, -1.0]),
+            lambda b: b.set_beta(1.0),
+            lambda b: b.set_beta(-1.0),
+            lambda b: b.push_batch(**records(60, 2), priorities=[5.0, 0.0]),
+            lambda b: b.push_batch(**records(62, 2), priorities=[1.0]),
+            lambda b: b.sample(6, seed=7),
+        ]
+    return calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_behaves_the_same_on_every_transport(three, kind):
+    run_everywhere(three(kind), common_calls(kind))
+
+
+@pytest.mark.parametrize("kind", ["rate_limited", "queue", "stack"])
+def test_calls_that_must_wait_time_out_the_same_way(three, kind):
+    """timeout=0 refuses at once, a small timeout waits that long, and neither changes anything."""
+    bufs = three(kind)
+    calls = [lambda b: b.push_batch(**records(0, 3))]  # below min size / fewer than asked
+    for timeout in (0, SMALL):
+        calls.append(lambda b, t=timeout: b.sample(4, timeout=t))
+    # Fill the band (9 inserts x 2 = 18: pushes wait for samples) or the queue (12 held).
+    fill = 6 if kind == "rate_limited" else 9
+    calls += [lambda b: b.push_batch(**records(3, fill)),
+              lambda b: b.push_batch(**records(20, 1), timeout=0),
+              lambda b: b.push(**{k: v[0] for k, v in records(21, 1).items()}, timeout=SMALL)]
+    calls.append(lambda b: b.sample(4, seed=9, timeout=0))
+    run_everywhere(bufs, calls)
+    for buf in bufs.values():
+        info = buf.info()
+        assert info["insert_waits"] == 1 and info["sample_waits"] == 1  # timeout=0 is no wait
+        assert info["insert_wait_seconds"] >= SMALL * 0.9
+        assert info["waiting_inserts"] == info["waiting_samples"] == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_waiting_call_proceeds_when_another_thread_unblocks_it(three, transport):
+    """timeout=None (remote: the client's timeout) waits for a push from another thread."""
+    buf = three("queue")[transport]
+    got = {}
+
+    def consumer():
+        got["batch"] = buf.sample(2, timeout=None)
+
+    thread = threading.Thread(target=consumer)
+    thread.start()
+    _wait_for(lambda: buf.info()["waiting_samples"] == 1)
+    buf.push_batch(**records(0, 2))
+    thread.join(30)
+    assert not thread.is_alive()
+    assert got["batch"]["id"].tolist() == [0, 1] and len(buf) == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_one_client_shared_by_an_actor_thread_and_a_waiting_learner(three, transport):
+    """An actor pushes and a learner samples through one client at once; the learner
+    keeps waiting on the rate limiter, and neither blocks the other."""
+    buf = three("rate_limited")[transport]
+    rounds, errors = 60, []
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except Exception as exc:  # reported below, with the transport
+                errors.append(repr(exc))
+        return run
+
+    @guarded
+    def actor():
+        for i in range(rounds):
+            buf.push_batch(**records(4 * i, 4), timeout=20)
+
+    @guarded
+    def learner():
+        for _ in range(rounds):
+            batch = buf.sample(8, timeout=20)  # 2 samples per insert: 8 per 4 pushed
+            np.testing.assert_array_equal(batch["obs"][:, 0], batch["id"] * 0.5)
+
+    threads = [threading.Thread(target=learner), threading.Thread(target=actor)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and not any(t.is_alive() for t in threads), (transport, errors)
+    info = buf.info()
+    assert (info["inserts"], info["samples"]) == (4 * rounds, 8 * rounds)
+    assert info["sample_waits"] + info["insert_waits"] > 0  # they really did wait on each other
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_many_threads_share_one_client(three, transport):
+    buf = three("tiered")[transport]
+    buf.push_batch(**records(0, 12))
+    errors = []
+
+    def work(seed: int):
+        try:
+            for i in range(20):
+                batch = buf.sample(5, seed=seed * 100 + i)
+                np.testing.assert_array_equal(batch["obs"][:, 1], batch["id"] * 0.5)
+                buf.push_batch(**records(100 + seed, 1))
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and buf.info()["pushed"] == 12 + 6 * 20
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met before the deadline"
+        time.sleep(0.01)
