@@ -396,3 +396,27 @@ def test_hostile_priority_requests_get_typed_errors_and_change_nothing(shared_se
     os.close(sealed)
     held = fd_targets(shared_server.proc.pid)
     assert len([t for t in held if not t.startswith("/memfd:")]) <= server_fds
+
+
+def test_an_actor_keeps_pushing_across_a_daemon_restart(tmp_path):
+    """The daemon restarts (same address, same data) between two pushes of an actor on
+    the fast path: the second push is not lost to the dead session; it waits for the
+    new daemon, and later calls find the fast path again."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    server = ServerProcess(tmp_path / "data", "--port", port).start()
+    client = millpond.connect(server.address, timeout=30)
+    buf = client.create_buffer("restarts", capacity=100, obs_dim=2, act_dim=1)
+    buf.push_batch(**transitions(0, 5))
+    assert client.calls["shm", "push_batch"] == 1
+    server.stop()
+    server = ServerProcess(tmp_path / "data", "--port", port).start()
+    try:
+        buf.push_batch(**transitions(5, 5))  # the old session is dead: this one goes over gRPC
+        buf.push_batch(**transitions(10, 5))  # ...and this one over a new fast path
+        assert len(buf) == 15
+        assert client.calls["grpc", "push_batch"] == 1 and client.calls["shm", "push_batch"] == 2
+        assert client.transport == "shm"
+    finally:
+        server.stop()

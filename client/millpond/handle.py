@@ -13,9 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .core.config import BufferConfig
+from .core.config import BufferConfig, ConfiguredBuffer
 from .core.info import BufferInfo
-from .core.schema import Schema
 from .errors import FieldMismatchError
 from .sampler import Sampler
 
@@ -32,27 +31,12 @@ _ALIASES = {
 }
 
 
-class Buffer:
+class Buffer(ConfiguredBuffer):
     """A replay buffer handle; see :class:`millpond.ReplayBuffer` for the methods."""
 
     def __init__(self, backend: Any):
         self._backend = backend
-
-    @property
-    def config(self) -> BufferConfig:
-        return self._backend.config
-
-    @property
-    def schema(self) -> Schema:
-        return self._backend.schema
-
-    @property
-    def hot_capacity(self) -> int:
-        return self._backend.hot_capacity
-
-    @property
-    def total_capacity(self) -> int:
-        return self._backend.total_capacity
+        self.config: BufferConfig = backend.config  # fixed at creation
 
     def __len__(self) -> int:
         return len(self._backend)

@@ -23,9 +23,8 @@ from .core.checks import (
     check_seed,
     check_timeout,
 )
-from .core.config import BufferConfig, check_exponent
+from .core.config import BufferConfig, ConfiguredBuffer, check_exponent
 from .core.info import BufferInfo
-from .core.schema import Schema
 from .errors import BufferClosedError, BufferNotFoundError, InvalidArgumentError
 from .grpc_transport import FRAMING_BYTES
 
@@ -33,7 +32,7 @@ if TYPE_CHECKING:
     from .client import Client
 
 
-class RemoteBuffer:
+class RemoteBuffer(ConfiguredBuffer):
     """A handle on the server buffer ``name``. Picklable; safe after fork.
 
     Single-record ``push`` calls are batched on the client (see
@@ -58,18 +57,6 @@ class RemoteBuffer:
 
     def __reduce__(self):  # pending records stay with this handle, never in a pickle
         return (RemoteBuffer, (self._client, self.name, self.config))
-
-    @property
-    def schema(self) -> Schema:
-        return self.config.schema
-
-    @property
-    def hot_capacity(self) -> int:
-        return self.config.hot_capacity
-
-    @property
-    def total_capacity(self) -> int:
-        return self.config.total_capacity
 
     @property
     def closed(self) -> bool:

@@ -93,8 +93,9 @@ class Connection:
         * with a fast path, the call goes through shared memory;
         * if shared memory cannot carry this call (a segment cannot be
           reserved: :class:`SharedMemoryError`; too many earlier results are
-          still alive), this call alone goes over gRPC. Nothing was stored
-          or drawn by the refused attempt;
+          still alive; the connection was found closed before the request
+          went out, as when the server restarted), this call alone goes over
+          gRPC. Nothing was stored or drawn by the refused attempt;
         * a fast path whose connection was lost (the server restarted) is
           negotiated again before the next call; until a new one is had,
           calls go over gRPC;

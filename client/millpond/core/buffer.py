@@ -27,17 +27,16 @@ from ..errors import (
 )
 from .bufferfile import BufferFile
 from .checks import check_batch_size, check_indices, check_priorities, check_seed, check_timeout
-from .config import BufferConfig, check_exponent
+from .config import BufferConfig, ConfiguredBuffer, check_exponent
 from .draw import Proportional, slot_arrays_for, strategy_for
 from .fifo import Fifo
 from .info import BufferInfo
 from .ratelimit import RateState
 from .recovery import recover
-from .schema import Schema
 from .tier import Tier
 
 
-class TieredBuffer:
+class TieredBuffer(ConfiguredBuffer):
     """Hot ring + cold mapped-file ring behind one FIFO, as ``config`` describes.
 
     ``total_capacity == hot_capacity`` means no cold tier: the record leaving
@@ -112,18 +111,6 @@ class TieredBuffer:
             weakref.finalize(self, _unmap, fifo, self._strategy, not persistent)
 
     # ---- properties -----------------------------------------------------------
-
-    @property
-    def schema(self) -> Schema:
-        return self.config.schema
-
-    @property
-    def hot_capacity(self) -> int:
-        return self.config.hot_capacity
-
-    @property
-    def total_capacity(self) -> int:
-        return self.config.total_capacity
 
     @property
     def path(self) -> str | None:

@@ -202,6 +202,25 @@ class BufferConfig:
                    prioritized and Prioritized(prioritized["alpha"], prioritized["beta"]))
 
 
+class ConfiguredBuffer:
+    """The settings every buffer object reads from its ``config``: in-process
+    buffers, remote handles and infos alike."""
+
+    config: BufferConfig
+
+    @property
+    def schema(self) -> Schema:
+        return self.config.schema
+
+    @property
+    def hot_capacity(self) -> int:
+        return self.config.hot_capacity
+
+    @property
+    def total_capacity(self) -> int:
+        return self.config.total_capacity
+
+
 def resolve_capacities(capacity: Any, hot_capacity: Any, total_capacity: Any) -> tuple[Any, Any]:
     """``(hot, total)`` from ``capacity=`` or ``hot_capacity=``/``total_capacity=``.
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Mapping
 
-from .config import BufferConfig
+from .config import BufferConfig, ConfiguredBuffer
 
 
 @dataclass(frozen=True, eq=False)
-class BufferInfo(Mapping[str, Any]):
+class BufferInfo(ConfiguredBuffer, Mapping[str, Any]):
     """A snapshot of one buffer: its config, sizes and counters.
 
     Sizes: ``size`` records can be sampled (live, not damaged, not used up);
@@ -55,14 +55,6 @@ class BufferInfo(Mapping[str, Any]):
     waiting_samples: int = 0
 
     # ---- the config's settings, as keys ------------------------------------------
-
-    @property
-    def hot_capacity(self) -> int:
-        return self.config.hot_capacity
-
-    @property
-    def total_capacity(self) -> int:
-        return self.config.total_capacity
 
     @property
     def record_nbytes(self) -> int:

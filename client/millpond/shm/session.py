@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..core.schema import Schema
-from ..errors import DeadlineExceededError, ServerUnavailableError
+from ..errors import DeadlineExceededError, ServerUnavailableError, SharedMemoryError
 from . import memfd, protocol
 
 MIN_SEGMENT = 1 << 20
@@ -101,6 +101,10 @@ class ShmSession:
             raise ServerUnavailableError("fast-path session is broken")
         try:
             protocol.send(self._sock, message, fds)
+        except OSError as exc:  # never delivered: the call may go another way
+            self.broken = self.lost = True
+            raise SharedMemoryError(f"fast-path connection lost before the request: {exc}") from exc
+        try:
             reply, reply_fds = protocol.recv(self._sock, protocol.CLIENT_SPIN)
         except TimeoutError as exc:
             self.broken = True
