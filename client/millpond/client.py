@@ -129,13 +129,17 @@ class Client:
         """Bulk calls this process made, by ``(transport, op)``, e.g. ``("shm", "sample")``."""
         return self.connection.calls.copy()
 
-    def budget(self, timeout: float | None) -> tuple[float, float]:
-        """``(wait, deadline)`` of a call given its ``timeout=`` argument (checked).
+    def budget(self, timeout: float | None, may_wait: bool = True) -> tuple[float, float]:
+        """``(wait, deadline)`` of a push or sample given its ``timeout=`` argument (checked).
 
         ``wait``: seconds the server may wait for the buffer's rate limiter
         (``timeout``, or this client's timeout if None); ``deadline``: the
-        whole call's, ``wait`` plus this client's timeout for the rest.
+        whole call's, ``wait`` plus this client's timeout for the rest. A
+        buffer without a rate limiter never waits (``may_wait=False``): its
+        calls get this client's timeout, as every other call does.
         """
+        if not may_wait:
+            return 0.0, self.timeout
         wait = self.timeout if timeout is None else timeout
         return wait, wait + self.timeout
 

@@ -52,6 +52,7 @@ class RemoteBuffer(ConfiguredBuffer):
         self.name = name
         self.config = config
         self.owner = owner
+        self._may_wait = config.rate_limiter is not None  # (queues and stacks have one)
         self._closed = False
         self._batcher: PushBatcher | None = None
 
@@ -128,7 +129,7 @@ class RemoteBuffer(ConfiguredBuffer):
               timeout: float | None) -> None:
         if priorities is not None and not len(priorities):
             priorities = None  # no priorities and an empty list are the same push
-        wait, deadline = self._client.budget(timeout)
+        wait, deadline = self._client.budget(timeout, self._may_wait)
         self._client.connection.call("push_batch", self.name, self.schema, n, batch,
                                      priorities, wait, deadline)
 
@@ -162,7 +163,7 @@ class RemoteBuffer(ConfiguredBuffer):
         """
         self._check_open()
         batch_size, seed = check_batch_size(batch_size), check_seed(seed)
-        wait, deadline = self._client.budget(check_timeout(timeout))
+        wait, deadline = self._client.budget(check_timeout(timeout), self._may_wait)
         self.flush()
         return self._client.connection.call(
             "sample", self.name, self.schema, batch_size, seed,
