@@ -13,7 +13,8 @@ import sys
 
 import grpc
 
-from .config import ConfigError, add_serve_arguments, resolve_serve_config, setup_logging
+from .config import ConfigError, add_serve_arguments, resolve_serve_config
+from .logs import setup_logging
 
 DEFAULT_PORT = 50051
 CLIENT_TIMEOUT_S = 5.0

@@ -1,59 +1,23 @@
-"""Server configuration: flags > ``MILLPOND_*`` environment > defaults, plus TOML.
+"""Server configuration: flags > ``MILLPOND_*`` environment > defaults.
 
-Every ``serve`` flag ``--some-flag`` can also be given as ``MILLPOND_SOME_FLAG``.
-The optional TOML file declares buffers to create at start-up::
-
-    [[buffers]]
-    name = "cartpole"
-    hot_capacity = 100_000
-    total_capacity = 1_000_000     # or: capacity = N (RAM only)
-    obs_dim = 4
-    act_dim = 1
-
-    [[buffers]]
-    name = "atari"
-    capacity = 50_000
-    [buffers.fields]
-    obs = { dtype = "uint8", shape = [84, 84, 4] }
-    action = { dtype = "int64" }    # shape defaults to [] (a scalar)
-
-Optional per buffer, as in the client's ``create_buffer``: ``mode = "queue"``
-(or ``"stack"``), ``max_times_sampled = N``, ``prioritized = { alpha = 0.6,
-beta = 0.4 }``, and ``rate_limiter = { samples_per_insert = 4.0,
-min_size_to_sample = 1000, error_buffer = 100 }`` (``error_buffer`` may be
-``[min_diff, max_diff]``; without ``samples_per_insert`` it is
-``MinSize(min_size_to_sample)``).
+Every ``serve`` flag ``--some-flag`` can also be given as ``MILLPOND_SOME_FLAG``
+(the token itself only as ``MILLPOND_TOKEN``, never as a flag, so that it
+stays out of ``ps``). Buffers to create at start-up come from the TOML file
+``--config`` names (:mod:`.declared`).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from millpond.core import BufferConfig
-from millpond.core.ratelimit import MinSize, RateLimiter, SampleToInsertRatio
-from millpond.errors import InvalidConfigError
+from .declared import BufferSpec, ConfigError, load_buffers
 
 ENV_PREFIX = "MILLPOND_"
-
-
-class ConfigError(Exception):
-    """Bad flags, environment or TOML: reported on stderr, exit code 2."""
-
-
-@dataclass(frozen=True)
-class BufferSpec:
-    """A buffer the TOML file declares."""
-
-    name: str
-    config: BufferConfig
-
+TOKEN_ENV = "MILLPOND_TOKEN"
 
 @dataclass(frozen=True)
 class Option:
@@ -166,6 +130,26 @@ SERVE_OPTIONS = (
     Option("shm", _bool, True, "offer the same-host shared-memory fast path (--no-shm: off)"),
     Option("shm_group", _group_ids, None, "groups (names or gids) also allowed on the fast path"),
     Option("shm_max_mb", _positive_int, 8192, "shared memory one fast-path client may hold, MiB"),
+    Option("shm_max_sessions", _positive_int, 64,
+           "fast-path sessions one client process may hold at once"),
+    Option("token_file", Path, None,
+           "file of 'ROLE TOKEN' lines (admin, actor, learner, read); not readable by others"),
+    Option("tls_cert", Path, None, "PEM certificate chain: serve gRPC over TLS (with --tls-key)"),
+    Option("tls_key", Path, None, "PEM private key of --tls-cert"),
+    Option("tls_client_ca", Path, None,
+           "PEM CA bundle: require client certificates it signed (mTLS; admin unless a token says)"),
+    Option("insecure", _bool, False,
+           "allow serving beyond loopback with neither a token nor client certificates"),
+    Option("address_file", Path, None,
+           "write the address clients on this host reach the server at, once serving"),
+    Option("max_buffers", _positive_int, 1000, "buffers the server may hold"),
+    Option("max_data_gb", _positive_float, None,
+           "disk the data directory may use, GB (default: what the disk has)"),
+    Option("max_concurrent_calls", _positive_int, 1024, "gRPC calls served at once (more wait)"),
+    Option("max_waiting_calls", _positive_int, 256,
+           "calls that may wait for rate limiters at once (more are refused)"),
+    Option("max_waiting_mb", _positive_int, 1024,
+           "request bytes calls waiting for rate limiters may hold, MiB"),
 )
 
 
@@ -185,6 +169,19 @@ class ServeConfig:
     shm: bool = True
     shm_group: frozenset[int] = frozenset()
     shm_max_mb: int = 8192
+    shm_max_sessions: int = 64
+    token_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    insecure: bool = False
+    address_file: Path | None = None
+    max_buffers: int = 1000
+    max_data_gb: float | None = None
+    max_concurrent_calls: int = 1024
+    max_waiting_calls: int = 256
+    max_waiting_mb: int = 1024
+    token: str | None = field(default=None, repr=False)  # MILLPOND_TOKEN (admin)
     buffers: list[BufferSpec] = field(default_factory=list)
 
     @property
@@ -222,154 +219,9 @@ def resolve_serve_config(args: argparse.Namespace, environ=os.environ) -> ServeC
             values[opt.dest] = opt.type(raw)
         except ValueError as exc:
             raise ConfigError(f"{source}={raw!r}: {exc}") from None
-    cfg = ServeConfig(**values)
+    cfg = ServeConfig(**values, token=environ.get(TOKEN_ENV) or None)
     if cfg.config is not None:
         cfg.buffers = load_buffers(cfg.config)
     return cfg
 
 
-# ---- TOML -------------------------------------------------------------------
-
-_BUFFER_KEYS = {"name", "hot_capacity", "total_capacity", "capacity", "obs_dim", "act_dim", "fields",
-                "mode", "max_times_sampled", "prioritized", "rate_limiter"}
-
-
-def load_buffers(path: Path) -> list[BufferSpec]:
-    try:
-        with open(path, "rb") as fh:
-            doc = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path}: not found") from None
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path}: invalid TOML: {exc}") from None
-    unknown = set(doc) - {"buffers"}
-    if unknown:
-        raise ConfigError(f"config file {path}: unknown top-level keys {sorted(unknown)}")
-    tables = doc.get("buffers", [])
-    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
-        raise ConfigError(f"config file {path}: 'buffers' must be an array of tables [[buffers]]")
-    specs, seen = [], set()
-    for i, table in enumerate(tables):
-        where = f"config file {path}: [[buffers]] #{i + 1}"
-        if isinstance(table.get("name"), str):
-            where += f" ({table['name']!r})"
-        spec = _buffer_spec(table, where)
-        if spec.name in seen:
-            raise ConfigError(f"{where}: duplicate buffer name")
-        seen.add(spec.name)
-        specs.append(spec)
-    return specs
-
-
-def _buffer_spec(table: dict, where: str) -> BufferSpec:
-    from .registry import check_name
-
-    unknown = set(table) - _BUFFER_KEYS
-    if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (allowed: {sorted(_BUFFER_KEYS)})")
-    if "name" not in table:
-        raise ConfigError(f"{where}: missing 'name'")
-    try:
-        name = check_name(table["name"])
-        prioritized = _prioritized(table.get("prioritized"), where)
-        config = BufferConfig.build(
-            capacity=table.get("capacity"), hot_capacity=table.get("hot_capacity"),
-            total_capacity=table.get("total_capacity"), obs_dim=table.get("obs_dim"),
-            act_dim=table.get("act_dim"),
-            fields=_fields(table["fields"], where) if "fields" in table else None,
-            mode=table.get("mode", "replay"), max_times_sampled=table.get("max_times_sampled"),
-            rate_limiter=_rate_limiter(table.get("rate_limiter"), where),
-            prioritized=prioritized is not None, **(prioritized or {}))
-    except (InvalidConfigError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    return BufferSpec(name, config)
-
-
-def _rate_limiter(spec: Any, where: str) -> RateLimiter | None:
-    if spec is None:
-        return None
-    if not isinstance(spec, dict) or set(spec) - {"samples_per_insert", "min_size_to_sample",
-                                                 "error_buffer"}:
-        raise ConfigError(f"{where}: rate_limiter must be {{ samples_per_insert, "
-                          f"min_size_to_sample, error_buffer }}, got {spec!r}")
-    min_size = spec.get("min_size_to_sample", 1)
-    if "samples_per_insert" not in spec:
-        if "error_buffer" in spec:
-            raise ConfigError(f"{where}: rate_limiter: error_buffer needs samples_per_insert")
-        return MinSize(min_size)
-    error_buffer = spec.get("error_buffer")
-    if error_buffer is None:
-        raise ConfigError(f"{where}: rate_limiter: samples_per_insert needs error_buffer")
-    if isinstance(error_buffer, list):
-        error_buffer = tuple(error_buffer)
-    return SampleToInsertRatio(spec["samples_per_insert"], min_size, error_buffer)
-
-
-def _prioritized(spec: Any, where: str) -> dict[str, Any] | None:
-    if spec is None:
-        return None
-    if not isinstance(spec, dict) or set(spec) - {"alpha", "beta"}:
-        raise ConfigError(f"{where}: prioritized must be {{ alpha, beta }}, got {spec!r}")
-    return spec
-
-
-def _fields(fields: Any, where: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    if not isinstance(fields, dict) or not fields:
-        raise ConfigError(f"{where}: fields must be a non-empty table name = {{ dtype, shape }}")
-    spec = {}
-    for name, value in fields.items():
-        if not isinstance(value, dict) or "dtype" not in value or set(value) - {"dtype", "shape"}:
-            raise ConfigError(
-                f"{where}: field {name!r} must be {{ dtype = \"...\", shape = [...] }}, got {value!r}"
-            )
-        shape = value.get("shape", [])
-        if isinstance(shape, int) and not isinstance(shape, bool):
-            shape = [shape]
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) for d in shape
-        ):
-            raise ConfigError(f"{where}: field {name!r}: shape must be a list of integers")
-        if not isinstance(value["dtype"], str):
-            raise ConfigError(f"{where}: field {name!r}: dtype must be a string")
-        spec[name] = (value["dtype"], tuple(shape))
-    return spec
-
-
-# ---- logging ----------------------------------------------------------------
-
-_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
-
-
-def _kv(key: str, value: Any) -> str:
-    text = str(value)
-    if text == "" or any(c in text for c in ' "=\n\t'):
-        text = '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-    return f"{key}={text}"
-
-
-class KeyValueFormatter(logging.Formatter):
-    """``ts=... level=... logger=... msg="..." key=value ...`` (one line, then traceback)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        parts = [
-            _kv("ts", self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}"),
-            _kv("level", record.levelname.lower()),
-            _kv("logger", record.name),
-            _kv("msg", record.getMessage()),
-        ]
-        for key, value in (getattr(record, "kv", None) or {}).items():
-            parts.append(_kv(key, value))
-        line = " ".join(parts)
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
-        return line
-
-
-def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(KeyValueFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
