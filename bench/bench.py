@@ -10,7 +10,9 @@ sample), the in-process millpond buffer, and a remote buffer on a daemon in
 another process. Figures are medians of repeated timed runs; ratios are
 against the numpy ring of the same run, since machines here are shared.
 Finally it fills a daemon with 1M CartPole transitions and prints its resident
-memory per stored record against the record's payload bytes.
+memory per stored record against the record's payload bytes, and what
+authentication costs: sample(256) over gRPC with a token and with TLS and a
+token, beside a daemon without either.
 """
 
 from __future__ import annotations
@@ -369,6 +371,72 @@ def prioritized_section(tmp: Path, quick: bool, seconds: float) -> None:
         prio.close()
 
 
+def _server_certificate(directory: Path) -> tuple[str, str, str] | None:
+    """``(ca.pem, server.pem, server.key)`` for 127.0.0.1, made by ``openssl``; None without it."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        return None
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    (directory / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+            "ca.pem", "-days", "1", "-subj", "/CN=bench-ca")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+            "-subj", "/CN=localhost")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "san.ext")
+    return tuple(str(directory / name) for name in ("ca.pem", "server.pem", "server.key"))
+
+
+def auth_section(tmp: Path, seconds: float) -> None:
+    """What authentication costs: sample(256) over gRPC against daemons without auth, with a
+    token, and with TLS and a token, measured in turns (the quick sizes: ratios matter)."""
+    import contextlib
+    import secrets
+
+    token = secrets.token_urlsafe(32)
+    (tmp / "pki").mkdir()
+    pki = _server_certificate(tmp / "pki")
+    setups: dict[str, tuple[tuple[str, ...], dict[str, str], dict]] = {
+        "no auth": ((), {}, {}),
+        "token": ((), {"MILLPOND_TOKEN": token}, {"token": token}),
+    }
+    if pki is not None:
+        ca, cert, key = pki
+        setups["TLS+token"] = (("--tls-cert", cert, "--tls-key", key), {"MILLPOND_TOKEN": token},
+                               {"token": token, "tls_ca": ca})
+    print("\nAuthentication: sample(256) over gRPC (shm=False), each beside no auth"
+          + ("" if pki else " (no openssl here: no TLS row)"))
+    with contextlib.ExitStack() as stack:
+        buffers: dict[str, list] = {}
+        for label, (args, env, credentials) in setups.items():
+            server = stack.enter_context(ServerProcess(tmp / f"auth-{label}", *args, env=env))
+            client = millpond.connect(server.address, shm=False, **credentials)
+            buffers[label] = [client.create_buffer(f"bench-auth-{w.name}", hot_capacity=w.hot,
+                                                   total_capacity=w.total, fields=w.schema)
+                              for w in workloads(quick=True)]
+        for i, w in enumerate(workloads(quick=True)):
+            batch = w.batch(w.push_batch, np.random.default_rng(6))
+            for handles in buffers.values():
+                for _ in range(w.total // w.push_batch):
+                    handles[i].push_batch(**batch)
+            rates: dict[str, list[float]] = {label: [] for label in buffers}
+            for _ in range(3):  # in turns, so a noisy moment hits every daemon alike
+                for label, handles in buffers.items():
+                    buf = handles[i]
+                    rates[label].append(timed_rate(lambda: buf.sample(SAMPLE_BATCH), SAMPLE_BATCH,
+                                                   seconds, repeats=1))
+            base = statistics.median(rates["no auth"])
+            for label, values in rates.items():
+                rate = statistics.median(values)
+                print(f"  {w.name:9} sample(256) {label:10} {fmt_rate(rate, w.schema.record_nbytes)}"
+                      f" = {rate / base:.2f}x no auth")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, short timings")
@@ -390,6 +458,7 @@ def main() -> None:
         memory_figure(server, 100_000 if args.quick else 1_000_000)
     durability_section(tmp, seconds)
     prioritized_section(tmp, args.quick, seconds)
+    auth_section(tmp, seconds)
 
 
 if __name__ == "__main__":

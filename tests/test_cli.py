@@ -9,7 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import grpc
 import numpy as np
@@ -302,8 +302,9 @@ def dockerfile_image_config() -> tuple[list[str], dict[str, str], list[str]]:
 
 def test_dockerfile_agrees_with_the_cli():
     """What the image declares is what the server does: every variable it sets is one
-    ``millpond serve`` reads, the port it exposes is the one it serves, the volume is
-    its data directory, and it does not run as root."""
+    ``millpond serve`` reads, the port it exposes is the one it serves, the volume holds
+    its data directory, it does not run as root, ``docker stop`` does not kill it, and
+    the HEALTHCHECK finds it wherever it listens."""
     from millpond_server.config import SERVE_OPTIONS
 
     instructions = _dockerfile_instructions()
@@ -313,32 +314,84 @@ def test_dockerfile_agrees_with_the_cli():
     assert millpond_vars and millpond_vars <= set(known), millpond_vars - set(known)
     port = env.get("MILLPOND_PORT", str(known["MILLPOND_PORT"].default))
     assert [rest for keyword, rest in instructions if keyword == "EXPOSE"] == [port]
+    # The volume's root is world-writable and sticky, so any --user can create the data
+    # directory (its own, kept from others) in a fresh named volume.
     volumes = [json.loads(rest) for keyword, rest in instructions if keyword == "VOLUME"]
-    assert volumes == [[env["MILLPOND_DATA_DIR"]]]
+    volume = str(PurePosixPath(env["MILLPOND_DATA_DIR"]).parent)
+    assert volumes == [[volume]] and volume != "/"
+    assert any(keyword == "RUN" and f"chmod 1777 {volume}" in rest
+               for keyword, rest in instructions)
     users = [rest for keyword, rest in instructions if keyword == "USER"]
     assert users and users[-1] not in ("root", "0")
+    # In-flight calls get less than `docker stop`'s default 10 s, or Docker SIGKILLs it.
+    assert float(env.get("MILLPOND_GRACE", known["MILLPOND_GRACE"].default)) <= 5
+    _, _, health = dockerfile_image_config()
+    assert env["MILLPOND_ADDRESS_FILE"].startswith("/tmp/") and "--address" not in health
+    # Authentication stays on: no token baked in, no --insecure.
+    assert "MILLPOND_TOKEN" not in env and "MILLPOND_INSECURE" not in env
 
 
-def test_docker_entrypoint_serves_answers_health_and_exits_0_on_sigterm(tmp_path):
-    entrypoint, image_env, health_cmd = dockerfile_image_config()
+def _image_env(tmp_path: Path) -> dict[str, str]:
+    """The image's environment, with its paths moved under ``tmp_path``."""
+    _, image_env, _ = dockerfile_image_config()
+    return {**os.environ, **image_env, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+            "MILLPOND_DATA_DIR": str(tmp_path / "data" / "millpond"),  # /data/millpond
+            "MILLPOND_ADDRESS_FILE": str(tmp_path / "millpond.address")}  # /tmp/...
+
+
+@pytest.mark.parametrize("port_as", ["env", "argument"])
+def test_docker_entrypoint_serves_answers_health_and_exits_0_on_sigterm(tmp_path, port_as):
+    """``MILLPOND_PORT=N`` or ``--port N``: the HEALTHCHECK finds the server either way."""
+    entrypoint, _, health_cmd = dockerfile_image_config()
     with socket.socket() as s:  # a free port, since the test host is shared
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, **image_env, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-           "MILLPOND_DATA_DIR": str(tmp_path / "data"),  # /data in the image
-           "MILLPOND_PORT": str(port)}
-    proc = subprocess.Popen(entrypoint, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    token = "entrypoint-test-token"
+    env = {**_image_env(tmp_path), "MILLPOND_TOKEN": token, "MILLPOND_PORT": str(port)}
+    args = []
+    if port_as == "argument":  # the flag wins; MILLPOND_PORT names a port nobody serves
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            env["MILLPOND_PORT"] = str(s.getsockname()[1])
+        args = ["--port", str(port)]
+    address_file = Path(env["MILLPOND_ADDRESS_FILE"])
+    proc = subprocess.Popen([*entrypoint, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=tmp_path)
     try:
         address = wait_for_ready(proc, 30)
         assert address == f"0.0.0.0:{port}"
-        assert (tmp_path / "data").is_dir()
+        assert (tmp_path / "data" / "millpond").is_dir()
+        assert address_file.read_text() == f"127.0.0.1:{port}\n"
         health = subprocess.run(health_cmd, env=env, capture_output=True, text=True, timeout=30)
         assert health.returncode == 0, health.stderr
-        assert list_buffers(f"127.0.0.1:{port}") == {}
+        client = millpond.connect(f"127.0.0.1:{port}", token=token, timeout=TIMEOUT)
+        assert client.list_buffers() == []
+        client.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
+        assert not address_file.exists()  # a clean stop removes it
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_docker_entrypoint_without_a_token_refuses_to_serve(tmp_path):
+    entrypoint, _, _ = dockerfile_image_config()
+    env = {**_image_env(tmp_path), "MILLPOND_PORT": "0"}
+    env.pop("MILLPOND_TOKEN", None)
+    result = subprocess.run(entrypoint, env=env, capture_output=True, text=True, timeout=30,
+                            cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "MILLPOND_TOKEN" in result.stderr and "--insecure" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize("host,expected", [
+    ("0.0.0.0", "127.0.0.1:7"), ("::", "[::1]:7"), ("[::]", "[::1]:7"),
+    ("127.0.0.1", "127.0.0.1:7"), ("::1", "[::1]:7"), ("192.0.2.1", "192.0.2.1:7"),
+])
+def test_address_file_names_where_a_local_client_reaches_the_bind(host, expected):
+    from millpond_server.app import _local_address
+
+    assert _local_address(host, 7) == expected

@@ -243,6 +243,7 @@ def test_slot_arrays_are_page_aligned_zeroed_regions_that_survive_reopening(tmp_
     schema = millpond.Schema.from_spec(FIELDS)
     file = ColdFile.create(path, schema, 3, 13, persistent=True,
                            slot_arrays={"priority": "<f8", "owner": "<u8", "flag": "u1"})
+    file.publish()
     assert file.meta["slot_arrays"] == {"priority": "<f8", "owner": "<u8", "flag": "|u1"}
     regions = file.meta["regions"]
     for name, itemsize in (("priority", 8), ("owner", 8), ("flag", 1)):
@@ -284,7 +285,9 @@ def test_files_without_slot_arrays_open_and_have_none(buf, tmp_path):
     meta, _ = read_header(tmp_path / "cold.bin")
     assert "slot_arrays" not in meta and not any(r.startswith("slot:") for r in meta["regions"])
     path = str(tmp_path / "plain.bin")
-    ColdFile.create(path, millpond.Schema.from_spec(FIELDS), 3, 13, persistent=True).close(False)
+    created = ColdFile.create(path, millpond.Schema.from_spec(FIELDS), 3, 13, persistent=True)
+    created.publish()
+    created.close(False)
     file = ColdFile.open(path)
     assert file.slot_array("priority") is None
     file.close(delete=False)
@@ -301,8 +304,10 @@ def test_bad_slot_arrays_are_refused(tmp_path, slot_arrays):
 
 def test_a_slot_array_region_of_the_wrong_size_is_a_damaged_header(tmp_path):
     path = tmp_path / "slots.bin"
-    ColdFile.create(str(path), millpond.Schema.from_spec(FIELDS), 3, 13, persistent=True,
-                    slot_arrays={"priority": "<f8"}).close(delete=False)
+    created = ColdFile.create(str(path), millpond.Schema.from_spec(FIELDS), 3, 13,
+                              persistent=True, slot_arrays={"priority": "<f8"})
+    created.publish()
+    created.close(delete=False)
     raw = bytearray(path.read_bytes())
     length = struct.unpack_from("<I", raw, 16)[0]
     meta = json.loads(raw[128 : 128 + length])

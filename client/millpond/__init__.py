@@ -29,8 +29,10 @@ _EXPORTS = {
     **dict.fromkeys(("BufferConfig", "BufferInfo", "Field", "Prioritized", "Schema"), "core"),
     **dict.fromkeys(("MinSize", "Queue", "RateLimiter", "SampleToInsertRatio"), "core.ratelimit"),
     **dict.fromkeys((
+        "AuthenticationError", "PermissionDeniedError",
         "BufferClosedError", "BufferNotFoundError", "ConfigMismatchError", "CorruptFileError",
-        "DTypeMismatchError", "DeadlineExceededError", "FieldMismatchError", "InternalError",
+        "DTypeMismatchError", "DeadlineExceededError", "FieldMismatchError", "FileConflictError",
+        "InternalError", "LimitExceededError",
         "InvalidArgumentError", "InvalidBatchSizeError", "InvalidConfigError",
         "MessageTooLargeError", "NotEnoughDataError", "RateLimitTimeoutError", "ReplayError",
         "ServerStartingError", "ServerUnavailableError", "ShapeMismatchError",

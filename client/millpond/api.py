@@ -23,14 +23,19 @@ from .handle import Buffer, PrioritizedBuffer
 
 
 def _backend(config: BufferConfig, address: str | None, name: str | None,
-             path: str | os.PathLike | None = None, persistent: bool = False) -> Any:
+             path: str | os.PathLike | None = None, persistent: bool = False,
+             token: str | None = None) -> Any:
     """The engine in-process, or the server's buffer ``name`` at ``address``
-    (server buffers are always persistent, in the server's data directory)."""
+    (server buffers are always persistent, in the server's data directory).
+    ``token`` (default ``MILLPOND_TOKEN``) and the ``MILLPOND_TLS_*`` variables
+    are those of :func:`millpond.connect`."""
     if address is None:
+        if token is not None:
+            raise InvalidConfigError("token= is for a server's buffer (with address=)")
         return TieredBuffer(config, path, persistent=persistent)
     if not name:
         raise InvalidConfigError("a remote buffer needs name= as well as address=")
-    return connect(address).remote_buffer(name, config)
+    return connect(address, token=token).remote_buffer(name, config)
 
 
 class ReplayBuffer(Buffer):
@@ -38,7 +43,9 @@ class ReplayBuffer(Buffer):
 
     ``ReplayBuffer(capacity, obs_dim, act_dim)`` stores reference transitions;
     ``ReplayBuffer(capacity, fields={name: (dtype, shape)})`` any schema. With
-    ``address=`` and ``name=``, the buffer lives on a millpond server.
+    ``address=`` and ``name=``, the buffer lives on a millpond server;
+    ``token=`` (default ``MILLPOND_TOKEN``) authenticates to it, and TLS
+    comes from ``MILLPOND_TLS_*`` (see :func:`millpond.connect`).
 
     How it is sampled (all buffer classes take these):
 
@@ -66,11 +73,12 @@ class ReplayBuffer(Buffer):
         mode: str = "replay",
         max_times_sampled: int | None = None,
         rate_limiter: RateLimiter | None = None,
+        token: str | None = None,
     ):
         config = BufferConfig.build(
             capacity=capacity, obs_dim=obs_dim, act_dim=act_dim, fields=fields, mode=mode,
             max_times_sampled=max_times_sampled, rate_limiter=rate_limiter)
-        super().__init__(_backend(config, address, name))
+        super().__init__(_backend(config, address, name, token=token))
 
 
 class MmapReplayBuffer(Buffer):
@@ -98,12 +106,13 @@ class MmapReplayBuffer(Buffer):
         mode: str = "replay",
         max_times_sampled: int | None = None,
         rate_limiter: RateLimiter | None = None,
+        token: str | None = None,
     ):
         config = BufferConfig.build(
             hot_capacity=hot_capacity, total_capacity=total_capacity, obs_dim=obs_dim,
             act_dim=act_dim, fields=fields, mode=mode, max_times_sampled=max_times_sampled,
             rate_limiter=rate_limiter)
-        super().__init__(_backend(config, address, name, cold_path, persistent))
+        super().__init__(_backend(config, address, name, cold_path, persistent, token))
 
     @classmethod
     def open(
@@ -169,9 +178,10 @@ class PrioritizedReplayBuffer(PrioritizedBuffer):
         name: str | None = None,
         max_times_sampled: int | None = None,
         rate_limiter: RateLimiter | None = None,
+        token: str | None = None,
     ):
         config = BufferConfig.build(
             capacity=capacity, hot_capacity=hot_capacity, total_capacity=total_capacity,
             obs_dim=obs_dim, act_dim=act_dim, fields=fields, prioritized=True, alpha=alpha,
             beta=beta, max_times_sampled=max_times_sampled, rate_limiter=rate_limiter)
-        super().__init__(_backend(config, address, name, cold_path))
+        super().__init__(_backend(config, address, name, cold_path, token=token))

@@ -12,7 +12,11 @@ every few seconds notice a dead server or a dead network path within
 
 A :class:`Client` (and every buffer handle it returns) pickles as its address
 and settings, and opens its connection lazily per process: handles made
-before ``fork`` or passed to ``spawn``-ed actors work in the child.
+before ``fork`` or passed to ``spawn``-ed actors work in the child. The
+settings include the token the client authenticates with (passed or read
+from ``MILLPOND_TOKEN``) and the paths of its TLS files (read again in the
+child), so a child acts as its parent did whatever its own environment says;
+keep pickled clients out of places other users can read.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from .core.schema import Schema
 from .errors import InvalidConfigError
 from .handle import Buffer, handle_for
 from .remote import RemoteBuffer
+from .security import Credentials
 from .transport import Connection
 
 DEFAULT_TIMEOUT = 60.0
@@ -50,6 +55,11 @@ def connect(
     shm: bool | str = "auto",
     push_batch_size: int = DEFAULT_PUSH_BATCH_SIZE,
     push_max_delay: float | None = DEFAULT_PUSH_MAX_DELAY,
+    token: str | None = None,
+    tls: bool | None = None,
+    tls_ca: str | os.PathLike | None = None,
+    tls_cert: str | os.PathLike | None = None,
+    tls_key: str | os.PathLike | None = None,
 ) -> "Client":
     """A client for the server at ``address`` ("host:port"). Connects lazily.
 
@@ -66,9 +76,20 @@ def connect(
     sent in batches of this many records, or once the oldest waited this many
     seconds (None: only by count and ``flush()``); 1 sends every push at once.
     Queued records are acknowledged only when flushed.
+
+    ``token``: sent with every call (``authorization: Bearer TOKEN``) to a
+    server that requires one; default ``MILLPOND_TOKEN``. ``tls=True``
+    speaks TLS, verifying the server with the system's roots or the PEM file
+    ``tls_ca``; ``tls_cert`` and ``tls_key`` add a client certificate. Their
+    defaults are ``MILLPOND_TLS_CA``, ``MILLPOND_TLS_CERT`` and
+    ``MILLPOND_TLS_KEY``, any of which turns TLS on (see
+    :mod:`millpond.security`). A missing or wrong token raises
+    AuthenticationError; a token whose role may not do a call,
+    PermissionDeniedError.
     """
     return Client(address, timeout=timeout, max_message_mb=max_message_mb, shm=shm,
-                  push_batch_size=push_batch_size, push_max_delay=push_max_delay)
+                  push_batch_size=push_batch_size, push_max_delay=push_max_delay, token=token,
+                  tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
 
 
 class Client:
@@ -77,7 +98,10 @@ class Client:
     def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT,
                  max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, shm: bool | str = "auto",
                  push_batch_size: int = DEFAULT_PUSH_BATCH_SIZE,
-                 push_max_delay: float | None = DEFAULT_PUSH_MAX_DELAY):
+                 push_max_delay: float | None = DEFAULT_PUSH_MAX_DELAY, token: str | None = None,
+                 tls: bool | None = None, tls_ca: str | os.PathLike | None = None,
+                 tls_cert: str | os.PathLike | None = None,
+                 tls_key: str | os.PathLike | None = None):
         if not isinstance(address, str) or not address:
             raise InvalidConfigError(f"address must be 'host:port', got {address!r}")
         if shm not in (True, False, "auto"):
@@ -92,6 +116,7 @@ class Client:
         self.push_batch_size = push_batch_size
         self.push_max_delay = push_max_delay
         self.max_message_bytes = int(max_message_mb) * 1024 * 1024
+        self.credentials = Credentials.resolve(token, tls, tls_ca, tls_cert, tls_key)
         self._lock = threading.Lock()
         self._connection: Connection | None = None
         self._pid = -1
@@ -99,7 +124,7 @@ class Client:
     def __reduce__(self):
         settings = dict(timeout=self.timeout, max_message_mb=self.max_message_bytes >> 20,
                         shm=self.shm, push_batch_size=self.push_batch_size,
-                        push_max_delay=self.push_max_delay)
+                        push_max_delay=self.push_max_delay, **self.credentials.settings())
         return (_rebuild_client, (self.address, settings))
 
     @property
@@ -114,7 +139,8 @@ class Client:
                     if self._connection is not None:
                         _INHERITED.append(self._connection)
                     self._connection = Connection(self.address, self._options(), self.shm,
-                                                  self.timeout, self.max_message_bytes)
+                                                  self.timeout, self.max_message_bytes,
+                                                  self.credentials)
                     self._pid = os.getpid()
         assert self._connection is not None
         return self._connection

@@ -89,6 +89,18 @@ class StorageFullError(ReplayError, OSError):
     code = "STORAGE_FULL"
 
 
+class FileConflictError(ReplayError, FileExistsError):
+    """A file that is not this buffer's is where the buffer's file should go; nothing changed."""
+
+    code = "FILE_CONFLICT"
+
+
+class LimitExceededError(ReplayError):
+    """A limit the server was configured with (``--max-*``) refuses the request; nothing changed."""
+
+    code = "LIMIT_EXCEEDED"
+
+
 class SharedMemoryError(StorageFullError):
     """A shared-memory segment could not be made or reserved (the client falls back to gRPC)."""
 
@@ -143,6 +155,20 @@ class ServerStartingError(ServerUnavailableError):
     """The server is still recovering its buffers; clients retry until their deadline."""
 
     code = "SERVER_STARTING"
+
+
+class AuthenticationError(ReplayError, PermissionError):
+    """The call carried no credentials the server accepts (no token, a wrong one, or no
+    client certificate where one is required). gRPC status UNAUTHENTICATED."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(ReplayError, PermissionError):
+    """The caller's role may not do this (e.g. a ``read`` token pushing, an ``actor``
+    creating a new buffer). gRPC status PERMISSION_DENIED; nothing was changed."""
+
+    code = "PERMISSION_DENIED"
 
 
 class InternalError(ReplayError, RuntimeError):

@@ -10,6 +10,9 @@ started before its daemon), and a server still recovering its buffers
 answers :class:`~millpond.errors.ServerStartingError`, which is retried with
 backoff. Nothing else is retried: a push whose connection broke may or may
 not have been stored, and the caller must know.
+
+Every call carries the client's metadata (``authorization: Bearer TOKEN``
+when it has a token, see :mod:`millpond.security`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 from .core.config import BufferConfig
 from .core.info import BufferInfo
 from .core.schema import Schema
-from .errors import MessageTooLargeError, ServerStartingError
+from .errors import DeadlineExceededError, MessageTooLargeError, ServerStartingError
 from .v1 import replay_pb2 as pb
 from .v1 import replay_pb2_grpc as pb_grpc
 from .wire.codec import config_to_proto, info_from_proto
@@ -42,8 +45,11 @@ class GrpcTransport:
 
     name = "grpc"
 
-    def __init__(self, channel: grpc.Channel, max_message_bytes: int):
+    def __init__(self, channel: grpc.Channel, max_message_bytes: int,
+                 metadata: tuple[tuple[str, str], ...] | None = None):
         self.max_message_bytes = max_message_bytes
+        self.metadata = metadata
+        self.channel = channel
         self.stub = pb_grpc.ReplayStub(channel)
         self._push_batch = channel.unary_unary(
             "/millpond.v1.Replay/PushBatch",
@@ -63,14 +69,34 @@ class GrpcTransport:
         while True:
             try:
                 return method(request, timeout=max(0.0, end - time.monotonic()),
-                              wait_for_ready=True)
+                              wait_for_ready=True, metadata=self.metadata)
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
+                if type(error) is DeadlineExceededError:  # perhaps never connected: why?
+                    error = self._why_unreached(error)
             left = end - time.monotonic()
             if not isinstance(error, ServerStartingError) or left <= delay:
                 raise error
             time.sleep(delay)
             delay = min(2 * delay, _RETRY_MAX)
+
+    def _why_unreached(self, error: DeadlineExceededError) -> DeadlineExceededError:
+        """A call that waited its whole deadline for a connection says why it never got one.
+
+        A TLS mismatch (plaintext to a TLS server, an unknown CA, no client
+        certificate) looks to a waiting call like a server that is not up:
+        ask the channel, without waiting, for its last connection error.
+        """
+        probe = self.channel.unary_unary("/grpc.health.v1.Health/Check",
+                                         request_serializer=None, response_deserializer=None)
+        try:
+            probe(b"", timeout=0.2, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                return DeadlineExceededError(
+                    f"{error}: the server was never reached ({exc.details()}); is it up, and "
+                    "do TLS settings agree (tls=, tls_ca=, tls_cert=/tls_key= or MILLPOND_TLS_*)?")
+        return error
 
     # ---- bulk ---------------------------------------------------------------------
 

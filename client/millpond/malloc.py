@@ -57,3 +57,17 @@ def tune_malloc_for_large_messages() -> bool:
     except (OSError, AttributeError):
         return False
     return _tuned
+
+
+def release_free_memory() -> None:
+    """Give freed memory back to the OS now (``malloc_trim``), glibc only.
+
+    For after a burst that held far more than usual (e.g. many large
+    requests parked on a rate limiter): the thresholds above would keep it.
+    """
+    if not _tuned:
+        return
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -15,18 +15,20 @@ import threading
 from collections import Counter
 from typing import Any, Protocol
 
-import grpc
 import numpy as np
 
 from .core.schema import Schema
 from .errors import (
+    AuthenticationError,
     DeadlineExceededError,
+    PermissionDeniedError,
     ReplayError,
     ServerUnavailableError,
     SharedMemoryError,
 )
 from .grpc_transport import GrpcTransport
 from .malloc import tune_malloc_for_large_messages
+from .security import Credentials
 from .shm.protocol import read_boot_id
 from .shm.session import ResultPoolExhausted
 from .shm.transport import ShmTransport
@@ -64,10 +66,12 @@ class Connection:
     """
 
     def __init__(self, address: str, options: list[tuple[str, Any]], shm: bool | str,
-                 timeout: float, max_message_bytes: int):
+                 timeout: float, max_message_bytes: int,
+                 credentials: Credentials | None = None):
         tune_malloc_for_large_messages()
-        self.channel = grpc.insecure_channel(address, options=options)
-        self.grpc = GrpcTransport(self.channel, max_message_bytes)
+        self.credentials = credentials = credentials or Credentials()
+        self.channel = credentials.channel(address, options)  # TLS when configured
+        self.grpc = GrpcTransport(self.channel, max_message_bytes, credentials.metadata())
         self._timeout = timeout
         self._lock = threading.Lock()
         self.calls: Counter[tuple[str, str]] = Counter()  # (transport, op) -> calls made
@@ -132,16 +136,19 @@ class Connection:
         boot_id = read_boot_id()
         try:
             offer = self.grpc.negotiate(boot_id, self._timeout)
-        except (ServerUnavailableError, DeadlineExceededError):
+        except (ServerUnavailableError, DeadlineExceededError, AuthenticationError,
+                PermissionDeniedError):
             raise
         except ReplayError as exc:  # e.g. a server without the fast path's RPC
             return None, f"the server did not negotiate it ({exc})"
         if not offer.shm:
-            return None, offer.reason or "the server does not offer it"
+            return None, offer.reason or "the server does not offer it here (another host?)"
         if not boot_id or offer.boot_id != boot_id:
             return None, "the server runs on another host"
+        # The hello shows our token, or else the ticket Negotiate gave our certificate.
+        hello = self.credentials.hello() or ({"ticket": offer.ticket} if offer.ticket else {})
         try:
-            return ShmTransport(offer.socket, offer.uid, self._timeout), ""
+            return ShmTransport(offer.socket, offer.uid, self._timeout, hello), ""
         except OSError as exc:  # other network namespace, refused peer, no memfd...
             return None, f"its socket is not reachable from here ({exc})"
 

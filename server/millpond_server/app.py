@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,8 +17,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from millpond.errors import StorageIOError
 from millpond.malloc import tune_malloc_for_large_messages
 
+from .auth import load_auth, server_credentials
 from .config import ServeConfig
-from .fastpath import FastPathServer
+from .shm_listener import FastPathServer
 from .fatal import fatal_storage_error
 from .operations import Operations
 from .registry import Registry
@@ -29,7 +32,8 @@ def start_fastpath(cfg: ServeConfig, ops: Operations) -> tuple[FastPathServer | 
     if not cfg.shm:
         return None, "disabled by the server (--no-shm)"
     try:
-        fastpath = FastPathServer(ops, cfg.shm_group, cfg.shm_max_mb * 1024 * 1024)
+        fastpath = FastPathServer(ops, cfg.shm_group, cfg.shm_max_mb * 1024 * 1024,
+                                  cfg.shm_max_sessions)
     except OSError as exc:  # no abstract Unix sockets or memfd here
         log.warning("shm fast path unavailable", extra={"kv": {"error": exc}})
         return None, f"unavailable on the server: {exc}"
@@ -60,6 +64,20 @@ def _bind_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def _local_address(host: str, port: int) -> str:
+    """Where a client on this host reaches a server bound to ``host``."""
+    host = host.strip("[]")
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return _bind_address(host, port)
+
+
+def _write_address_file(path: Path, address: str) -> None:
+    """``--address-file``: replace ``path`` atomically (a reader sees all of it or none)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(address + "\n")
+    os.replace(tmp, path)
+
+
 async def serve(cfg: ServeConfig) -> int:
     """Run until SIGTERM/SIGINT; return the exit code.
 
@@ -68,14 +86,18 @@ async def serve(cfg: ServeConfig) -> int:
     (logged, with progress) and only then is the daemon SERVING and the
     "serving on" line printed.
     """
+    auth, credentials = load_auth(cfg), server_credentials(cfg)  # ConfigError: exit 2
     malloc_tuned = tune_malloc_for_large_messages()
     registry = Registry(cfg.data_dir, sync_every_push=cfg.sync == "always",
-                        skip_corrupt=cfg.recover == "skip-corrupt")
+                        skip_corrupt=cfg.recover == "skip-corrupt", max_buffers=cfg.max_buffers,
+                        max_data_bytes=None if cfg.max_data_gb is None else int(cfg.max_data_gb * 1e9))
     executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="millpond-engine")
-    ops = Operations(registry, executor)
+    ops = Operations(registry, executor, auth, max_waiting_calls=cfg.max_waiting_calls,
+                     max_waiting_bytes=cfg.max_waiting_mb << 20)
     ops.start(asyncio.get_running_loop())
     fastpath, off_reason = start_fastpath(cfg, ops)
-    server = grpc.aio.server(options=grpc_options(cfg))
+    server = grpc.aio.server(options=grpc_options(cfg),
+                             maximum_concurrent_rpcs=cfg.max_concurrent_calls)
     service = ReplayService(ops, cfg.max_message_mb, fastpath, off_reason)
     add_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
@@ -85,7 +107,9 @@ async def serve(cfg: ServeConfig) -> int:
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
-            port = server.add_insecure_port(_bind_address(cfg.host, cfg.port))
+            bind = _bind_address(cfg.host, cfg.port)
+            port = (server.add_insecure_port(bind) if credentials is None
+                    else server.add_secure_port(bind, credentials))
         except RuntimeError as exc:
             log.error("cannot bind", extra={"kv": {"address": _bind_address(cfg.host, cfg.port),
                                                    "error": exc}})
@@ -109,14 +133,21 @@ async def serve(cfg: ServeConfig) -> int:
             "max_message_mb": cfg.max_message_mb, "workers": cfg.workers, "sync": cfg.sync,
             "malloc_tuned": malloc_tuned, "shm": "on" if fastpath else off_reason,
         }})
+        if cfg.address_file is not None:
+            _write_address_file(cfg.address_file, _local_address(cfg.host, port))
         print(f"serving on {address}", flush=True)
 
         await stop.wait()
+        if cfg.address_file is not None:
+            cfg.address_file.unlink(missing_ok=True)
         await health_servicer.enter_graceful_shutdown()  # NOT_SERVING for every service
         await server.stop(cfg.grace)
         log.info("server stopped")
         return 0
     finally:
+        # On a failed start too: a server left running would be stopped by its
+        # finalizer after the loop closed ("Event loop is closed").
+        await server.stop(None)
         # Handlers cancelled by stop() may still run on the pool: let them end
         # before their buffers are released.
         executor.shutdown(wait=True, cancel_futures=True)

@@ -23,6 +23,14 @@ CLIENT_TIMEOUT_S = 5.0
 def _default_address() -> str:
     if os.environ.get("MILLPOND_ADDRESS"):
         return os.environ["MILLPOND_ADDRESS"]
+    if os.environ.get("MILLPOND_ADDRESS_FILE"):  # written by `serve --address-file`
+        try:
+            with open(os.environ["MILLPOND_ADDRESS_FILE"]) as f:
+                address = f.read().strip()
+        except OSError:  # not serving (yet): no file
+            address = ""
+        if address:
+            return address
     port = os.environ.get("MILLPOND_PORT") or DEFAULT_PORT
     return f"127.0.0.1:{port}"
 
@@ -40,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("health", "exit 0 if the server reports SERVING, else 1")):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("--address", default=None,
-                       help="server HOST:PORT [env MILLPOND_ADDRESS; default 127.0.0.1:"
-                       "$MILLPOND_PORT or 127.0.0.1:50051]")
+                       help="server HOST:PORT [env MILLPOND_ADDRESS; default: the address in "
+                       "$MILLPOND_ADDRESS_FILE if that file exists, else 127.0.0.1:$MILLPOND_PORT "
+                       "or 127.0.0.1:50051]")
         p.add_argument("--timeout", type=float, default=CLIENT_TIMEOUT_S,
                        help=f"seconds to wait for the answer (default {CLIENT_TIMEOUT_S})")
     return parser
@@ -51,10 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return cmd_serve(args)
+    from millpond.errors import InvalidConfigError
+
     address = args.address or _default_address()
-    if args.command == "info":
-        return cmd_info(address, args.timeout)
-    return cmd_health(address, args.timeout)
+    try:
+        if args.command == "info":
+            return cmd_info(address, args.timeout)
+        return cmd_health(address, args.timeout)
+    except InvalidConfigError as exc:  # MILLPOND_TOKEN / MILLPOND_TLS_* unusable
+        print(f"millpond {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 # ---- serve ----------------------------------------------------------------------
@@ -72,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(cfg.log_level)
     try:
         return run(cfg)
-    except InvalidConfigError as exc:
+    except (InvalidConfigError, ConfigError) as exc:  # e.g. unsafe or bad auth/TLS settings
         print(f"millpond serve: {exc}", file=sys.stderr)
         return 2
     except (ReplayError, OSError) as exc:
@@ -87,9 +102,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _unreachable(command: str, address: str, exc: grpc.RpcError) -> int:
     detail = exc.details() if hasattr(exc, "details") else str(exc)
     code = exc.code().name if hasattr(exc, "code") else "ERROR"
+    if code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+        print(f"millpond {command}: the server at {address} refused ({code}: {detail}); "
+              "set MILLPOND_TOKEN (and MILLPOND_TLS_* for TLS)", file=sys.stderr)
+        return 1
     print(f"millpond {command}: cannot reach server at {address} ({code}: {detail})",
           file=sys.stderr)
     return 1
+
+
+def _channel(address: str):
+    """``(channel, metadata)`` from MILLPOND_TOKEN and MILLPOND_TLS_*, as connect() reads them."""
+    from millpond.security import Credentials
+
+    credentials = Credentials.resolve()
+    return credentials.channel(address, []), credentials.metadata()
 
 
 def _fields_text(config) -> str:
@@ -126,9 +153,11 @@ def format_table(buffers) -> str:
 def cmd_info(address: str, timeout: float) -> int:
     from millpond.v1 import replay_pb2, replay_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    channel, metadata = _channel(address)
+    with channel:
         try:
-            reply = replay_pb2_grpc.ReplayStub(channel).List(replay_pb2.ListRequest(), timeout=timeout)
+            reply = replay_pb2_grpc.ReplayStub(channel).List(replay_pb2.ListRequest(),
+                                                              timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
             return _unreachable("info", address, exc)
     if not reply.buffers:
@@ -143,7 +172,8 @@ def cmd_info(address: str, timeout: float) -> int:
 def cmd_health(address: str, timeout: float) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    channel, _ = _channel(address)  # TLS if set; health needs no token
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout)

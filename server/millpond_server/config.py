@@ -220,6 +220,11 @@ def resolve_serve_config(args: argparse.Namespace, environ=os.environ) -> ServeC
         except ValueError as exc:
             raise ConfigError(f"{source}={raw!r}: {exc}") from None
     cfg = ServeConfig(**values, token=environ.get(TOKEN_ENV) or None)
+    if cfg.max_waiting_calls >= cfg.max_concurrent_calls:
+        raise ConfigError(
+            f"--max-waiting-calls ({cfg.max_waiting_calls}) must be below --max-concurrent-calls "
+            f"({cfg.max_concurrent_calls}): calls waiting for rate limiters would take every "
+            "call slot, and the pushes that would let them proceed could not get in")
     if cfg.config is not None:
         cfg.buffers = load_buffers(cfg.config)
     return cfg

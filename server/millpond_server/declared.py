@@ -63,6 +63,8 @@ def load_buffers(path: Path) -> list[BufferSpec]:
         raise ConfigError(f"config file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path}: invalid TOML: nested too deep") from None
     unknown = set(doc) - {"buffers"}
     if unknown:
         raise ConfigError(f"config file {path}: unknown top-level keys {sorted(unknown)}")
@@ -122,6 +124,9 @@ def _rate_limiter(spec: Any, where: str) -> RateLimiter | None:
     if error_buffer is None:
         raise ConfigError(f"{where}: rate_limiter: samples_per_insert needs error_buffer")
     if isinstance(error_buffer, list):
+        if len(error_buffer) != 2:
+            raise ConfigError(f"{where}: rate_limiter: error_buffer must be a number or "
+                              f"[min_diff, max_diff], got {error_buffer!r}")
         error_buffer = tuple(error_buffer)
     return SampleToInsertRatio(spec["samples_per_insert"], min_size, error_buffer)
 

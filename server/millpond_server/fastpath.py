@@ -1,16 +1,14 @@
-"""The server side of the same-host fast path (see :mod:`millpond.shm`).
+"""The sessions of the same-host fast path (see :mod:`millpond.shm`).
 
-A listener thread accepts connections on an abstract Unix socket and admits
-only peers of the server's user (or of a configured group), checked with
-``SO_PEERCRED``. Each admitted client connection gets a session thread that
-decodes its requests and calls the operations layer (:mod:`.operations`)
-directly: no event loop hop, no gRPC, no serialization of bulk data. A call
+Each connection the listener (:mod:`.shm_listener`) admits gets a session
+thread that decodes its requests and calls the operations layer
+(:mod:`.operations`) directly: no event loop hop, no gRPC, no serialization of bulk data. A call
 that must wait for a rate limiter waits on the operations layer's loop, like
 a gRPC call, and ends early if the client hangs up.
 
 Nothing from a client is trusted: every segment fd must be a sealed memfd of
 the announced size, every offset and shape is checked against the segment
-and the schema before a view is made (:func:`segment_view`), unexpected fds
+and the schema before a view is made (:mod:`.shm_requests`), unexpected fds
 are closed, and bad requests get an error reply while the session and the
 server keep serving.
 """
@@ -22,117 +20,42 @@ import mmap
 import os
 import select
 import socket
-import struct
 import threading
-import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from millpond.core.checks import check_batch_size, check_seed, check_timeout
-from millpond.errors import InvalidArgumentError, InvalidConfigError, SharedMemoryError
+from millpond.errors import (
+    InvalidArgumentError,
+    InvalidConfigError,
+    SharedMemoryError,
+)
 from millpond.shm import memfd, protocol
 
-from .operations import Operations
 from . import shm_requests as req
+
+if TYPE_CHECKING:
+    from .shm_listener import FastPathServer
 
 log = logging.getLogger("millpond.fastpath")
 
 MAX_SEGMENTS = 64  # per session
 
 
-def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` of the process at the other end of a Unix socket."""
-    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", raw)
-
-
-def _peer_groups(pid: int, gid: int) -> set[int]:
-    groups = {gid}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    groups.update(int(g) for g in line.split()[1:])
-    except OSError:
-        pass
-    return groups
-
-
-class FastPathServer:
-    """Listens on ``\\0<socket_name>``; one :class:`FastPathSession` thread per connection."""
-
-    def __init__(self, ops: Operations, allowed_gids: frozenset[int] = frozenset(),
-                 max_session_bytes: int = 8 << 30):
-        self.ops = ops
-        self.allowed_gids = allowed_gids
-        self.max_session_bytes = max_session_bytes
-        self.socket_name = f"millpond-{os.getpid()}-{uuid.uuid4().hex}"
-        self.uid = os.getuid()
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self._listener.bind("\0" + self.socket_name)
-        self._listener.listen(128)
-        self._sessions: set[FastPathSession] = set()
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._accept_loop, name="millpond-shm-accept",
-                                        daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop accepting, end every session, release every segment."""
-        self._stopping = True
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        self._thread.join(5)
-        with self._lock:
-            sessions = list(self._sessions)
-        for session in sessions:
-            session.shutdown()
-        for session in sessions:
-            session.join(5)
-
-    def admits(self, uid: int, pid: int, gid: int) -> bool:
-        return uid == self.uid or bool(self.allowed_gids & _peer_groups(pid, gid))
-
-    def _accept_loop(self) -> None:
-        while not self._stopping:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # listener closed by stop()
-            pid, uid, gid = peer_credentials(conn)
-            if not self.admits(uid, pid, gid):
-                log.warning("shm peer refused", extra={"kv": {"pid": pid, "uid": uid}})
-                conn.close()
-                continue
-            session = FastPathSession(self, conn, pid)
-            with self._lock:
-                self._sessions.add(session)
-            session.start()
-
-    def _ended(self, session: "FastPathSession") -> None:
-        with self._lock:
-            self._sessions.discard(session)
-
-
 class FastPathSession(threading.Thread):
     """Serves one client connection's requests in order until it disconnects."""
 
-    def __init__(self, server: FastPathServer, conn: socket.socket, pid: int):
+    def __init__(self, server: "FastPathServer", conn: socket.socket, pid: int):
         super().__init__(name=f"millpond-shm-{pid}", daemon=True)
         self.server = server
         self.ops = server.ops
         self.conn = conn
         self.pid = pid
+        # Authentication on: none until a hello presents a token or ticket (admin when off).
+        self.role: str | None = self.ops.auth.session_role()
         self.push_segments: dict[int, mmap.mmap] = {}
         self.result_segments: dict[int, mmap.mmap] = {}
-        self.reserved = 0
         self._next_id = 0
         # (segment, offset, batch_size, buffer name, schema) -> the views a sample gathers into
         self._sample_views: dict[tuple, tuple[dict, dict]] = {}
@@ -174,10 +97,11 @@ class FastPathSession(threading.Thread):
         """Run one request; fds that arrived with it are always closed here."""
         op = message.get("op")
         try:
-            handler = self._handlers.get(op)  # type: ignore[arg-type]
+            handler = self._handlers.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise InvalidArgumentError(f"unknown fast-path op {op!r}")
             if op != "hello":
+                self.ops.auth.check_op(self.role, str(op))  # the roles of the RPC it mirrors
                 self.ops.check_ready()
             return handler(message, fds)
         except Exception as exc:
@@ -203,57 +127,68 @@ class FastPathSession(threading.Thread):
                 f"fast-path protocol version {message.get('version')!r}; "
                 f"this server speaks {protocol.VERSION}"
             )
+        self.role = self.ops.auth.session_role()  # a failed hello leaves none
+        self.role = self.ops.auth.hello_role(message)  # its token or Negotiate's ticket
         return {"ok": True, "version": protocol.VERSION}, []
 
     # ---- segments -----------------------------------------------------------------
 
-    def _reserve(self, size: Any) -> int:
+    def _add_segment(self, table: dict[int, mmap.mmap], size: Any,
+                     make: Callable[[int], mmap.mmap]) -> int:
+        """Check ``size`` against the limits, map a segment with ``make(size)`` and add it
+        to ``table``; return its id. Nothing stays counted if mapping fails."""
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise InvalidArgumentError(f"segment size must be a positive integer, got {size!r}")
         if len(self.push_segments) + len(self.result_segments) >= MAX_SEGMENTS:
             raise SharedMemoryError(f"a fast-path session may hold at most {MAX_SEGMENTS} segments")
-        if self.reserved + size > self.server.max_session_bytes:
-            raise SharedMemoryError(
-                f"segment of {size:,} bytes would exceed this session's shared-memory limit "
-                f"of {self.server.max_session_bytes:,} bytes (--shm-max-mb)"
-            )
+        self.server.reserve(self.pid, size)
+        try:
+            mm = make(size)
+        except BaseException:
+            self.server.unreserve(self.pid, size)
+            raise
         self._next_id += 1
+        table[self._next_id] = mm
         return self._next_id
 
     def attach_push_segment(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         if len(fds) != 1:
             raise InvalidArgumentError("push_segment needs exactly one fd")
-        size = message.get("size")
-        segment = self._reserve(size)
-        assert isinstance(size, int)  # checked by _reserve
-        memfd.check_segment(fds[0], size)
-        self.push_segments[segment] = memfd.map_segment(fds[0], size, writable=False)
-        self.reserved += size
+
+        def attach(size: int) -> mmap.mmap:
+            memfd.check_segment(fds[0], size)
+            return memfd.map_segment(fds[0], size, writable=False)
+
+        segment = self._add_segment(self.push_segments, message.get("size"), attach)
         return {"ok": True, "segment": segment}, []
 
     def new_result_segment(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         req.no_fds(fds)
-        size = message.get("size")
-        segment = self._reserve(size)
-        assert isinstance(size, int)  # checked by _reserve
-        fd = memfd.create_segment(size, f"millpond-result-{self.pid}")
-        try:
-            self.result_segments[segment] = memfd.map_segment(fd, size, writable=True)
-            readonly = memfd.reopen_readonly(fd)
-        finally:
-            os.close(fd)
-        self.reserved += size
-        return {"ok": True, "segment": segment}, [readonly]
+        readonly: list[int] = []
+
+        def create(size: int) -> mmap.mmap:
+            fd = memfd.create_segment(size, f"millpond-result-{self.pid}")
+            try:
+                mm = memfd.map_segment(fd, size, writable=True)
+                readonly.append(memfd.reopen_readonly(fd))
+                return mm
+            finally:
+                os.close(fd)
+
+        segment = self._add_segment(self.result_segments, message.get("size"), create)
+        return {"ok": True, "segment": segment}, readonly
 
     def release(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         req.no_fds(fds)
         segment = message.get("segment")
+        if not isinstance(segment, int) or isinstance(segment, bool):
+            raise InvalidArgumentError(f"no segment {segment!r} in this session")
         for table in (self.push_segments, self.result_segments):
             if segment in table:
                 self._sample_views = {k: v for k, v in self._sample_views.items()
                                       if k[0] != segment}
                 mm = table.pop(segment)
-                self.reserved -= len(mm)
+                self.server.unreserve(self.pid, len(mm))
                 req.close_map(mm)
                 return {"ok": True}, []
         raise InvalidArgumentError(f"no segment {segment!r} in this session")
@@ -338,6 +273,7 @@ class FastPathSession(threading.Thread):
         self._sample_views.clear()
         for table in (self.push_segments, self.result_segments):
             for mm in table.values():
+                self.server.unreserve(self.pid, len(mm))
                 req.close_map(mm)
             table.clear()
         self.conn.close()

@@ -7,6 +7,8 @@ owns the rules they share:
 * **errors**: :meth:`Operations.classify` turns any failure into the typed
   error the client gets; a storage I/O error stops the daemon; anything
   unexpected is logged (once, with its traceback) and reported as INTERNAL;
+* **roles**: :attr:`Operations.auth` (:mod:`.auth`) says who may call what;
+  both transports check it before anything else;
 * **readiness**: until the buffers are recovered every call fails with
   :class:`ServerStartingError`, which clients retry;
 * **rate limits**: the engine is only ever *tried* (``timeout=0``). A call
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import weakref
 from concurrent.futures import Executor
@@ -32,12 +35,16 @@ import numpy as np
 from millpond.core import BufferConfig, BufferInfo, TieredBuffer
 from millpond.errors import (
     InternalError,
+    LimitExceededError,
     RateLimitTimeoutError,
     ReplayError,
     ServerStartingError,
     StorageIOError,
 )
 
+from millpond.malloc import release_free_memory
+
+from .auth import Auth
 from .fatal import fatal_storage_error
 from .registry import Registry
 
@@ -46,6 +53,9 @@ log = logging.getLogger("millpond.operations")
 T = TypeVar("T")
 # How often a thread whose call waits on the loop checks that its client is still there.
 HANGUP_POLL_S = 0.2
+# Waiting calls that held more than this, once all gone, give their memory back to the OS.
+RELEASE_AFTER_BYTES = 64 << 20
+RELEASE_DELAY_S = 0.5
 
 
 class WouldWait(Exception):
@@ -91,9 +101,18 @@ class _Changes:
 class Operations:
     """The server's operations on its registry; see the module docstring."""
 
-    def __init__(self, registry: Registry, executor: Executor):
+    def __init__(self, registry: Registry, executor: Executor, auth: Auth | None = None,
+                 max_waiting_calls: int | None = None, max_waiting_bytes: int | None = None):
         self.registry = registry
         self.executor = executor
+        # Calls waiting for a rate limiter hold their requests (megabytes of a
+        # PushBatch): their number and those bytes are bounded.
+        self.max_waiting_calls = max_waiting_calls
+        self.max_waiting_bytes = max_waiting_bytes
+        self._waiting_calls = 0
+        self._waiting_bytes = 0
+        self._waiting_peak = 0
+        self.auth = Auth() if auth is None else auth  # who may call what (both transports)
         self.ready = False  # set once the buffers are recovered
         self.loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self._changes: weakref.WeakKeyDictionary[TieredBuffer, _Changes] = \
@@ -121,8 +140,12 @@ class Operations:
 
     # ---- the calls (synchronous; run on the pool or a fast-path session) --------------
 
-    def create(self, name: str, config: BufferConfig) -> tuple[BufferInfo, bool]:
-        buffer, created = self.registry.create(name, config)
+    def create(self, name: str, config: BufferConfig,
+               may_create: bool = True) -> tuple[BufferInfo, bool]:
+        """Create ``name`` or attach to it. With ``may_create=False`` (every role but
+        admin) only attach: where a new buffer would be made, PermissionDeniedError
+        (decided under the registry's lock for the name, so no race can create one)."""
+        buffer, created = self.registry.create(name, config, may_create)
         return self.registry.info(name, buffer), created
 
     def delete(self, name: str) -> None:
@@ -166,12 +189,17 @@ class Operations:
         assert self.loop is not None
         return await self.loop.run_in_executor(self.executor, fn, *args)
 
-    async def admit(self, budget: float | None, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the pool; while it would wait, wait here (at most ``budget`` s)."""
+    async def admit(self, budget: float | None, fn: Callable[..., T], *args: Any,
+                    held: int = 0) -> T:
+        """``fn(*args)`` on the pool; while it would wait, wait here (at most ``budget`` s).
+
+        ``held``: bytes the call keeps while it waits (its request), counted
+        against ``max_waiting_bytes``.
+        """
         try:
             return await self.run(fn, *args)
         except WouldWait as wait:
-            return await self._wait_and_retry(wait, budget, fn, args)
+            return await self._wait_and_retry(wait, budget, fn, args, held)
 
     def admit_from_thread(self, budget: float | None, cancelled: Callable[[], bool],
                           fn: Callable[..., T], *args: Any) -> T:
@@ -197,12 +225,54 @@ class Operations:
         return future.result()
 
     async def _wait_and_retry(self, wait: WouldWait, budget: float | None,
-                              fn: Callable[..., T], args: tuple) -> T:
+                              fn: Callable[..., T], args: tuple, held: int = 0) -> T:
         """Retry ``fn`` each time its buffer changes, until it passes or ``budget`` runs out."""
-        loop = asyncio.get_running_loop()
-        buffer, start = wait.buffer, loop.time()
+        start = asyncio.get_running_loop().time()
         if budget == 0:  # a try-only call: it would have had to wait
             raise self._timed_out(wait, 0.0)
+        self._start_waiting(held)
+        try:
+            return await self._retry_on_changes(wait, budget, fn, args, start)
+        finally:
+            self._stop_waiting(held)
+
+    def _start_waiting(self, held: int) -> None:
+        """Count a waiting call (on the loop), or refuse it past the limits."""
+        if self.max_waiting_calls is not None and self._waiting_calls >= self.max_waiting_calls:
+            raise LimitExceededError(
+                f"{self._waiting_calls} calls already wait for rate limiters, the server's limit "
+                "(--max-waiting-calls); retry later")
+        if (self.max_waiting_bytes is not None
+                and self._waiting_bytes + held > self.max_waiting_bytes):
+            raise LimitExceededError(
+                f"calls waiting for rate limiters already hold {self._waiting_bytes:,} bytes; "
+                f"{held:,} more would pass the server's limit (--max-waiting-mb)")
+        self._waiting_calls += 1
+        self._waiting_bytes += held
+        self._waiting_peak = max(self._waiting_peak, self._waiting_bytes)
+
+    def _stop_waiting(self, held: int) -> None:
+        self._waiting_calls -= 1
+        self._waiting_bytes -= held
+        if self._waiting_bytes == 0 and self._waiting_peak > RELEASE_AFTER_BYTES:
+            # malloc keeps large freed blocks for reuse: give them back once the
+            # calls are over and their requests freed (not yet: they are in scope).
+            self._waiting_peak = 0
+            assert self.loop is not None
+            self.loop.call_later(RELEASE_DELAY_S, self._release_if_idle)
+
+    def _release_if_idle(self) -> None:
+        if self._waiting_bytes == 0:
+            # A call that timed out raised in frames that hold its request: the
+            # cycle (exception, traceback, frame) waits for the cyclic collector,
+            # which an idle server may not run for a long while.
+            gc.collect()
+            release_free_memory()
+
+    async def _retry_on_changes(self, wait: WouldWait, budget: float | None,
+                                fn: Callable[..., T], args: tuple, start: float) -> T:
+        loop = asyncio.get_running_loop()
+        buffer = wait.buffer
         changes = self._changes.get(buffer)
         if changes is None:
             changes = self._changes[buffer] = _Changes(loop, buffer)
@@ -234,6 +304,7 @@ class Operations:
             f"{wait.kind} of {wait.records} records waited {waited:.3g} s for the rate limiter "
             f"until its timeout ({wait.buffer.describe_rate()}); pass a longer timeout",
             wait.kind, wait.records)
+
 
 
 def _try(buffer: TieredBuffer, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:

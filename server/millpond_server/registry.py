@@ -12,23 +12,31 @@ import fcntl
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from pathlib import Path
 
 from millpond.core import BufferConfig, BufferInfo, TieredBuffer
-from millpond.errors import BufferNotFoundError, ConfigMismatchError, InvalidArgumentError
+from millpond.core.footprint import file_nbytes
+from millpond.errors import (
+    BufferNotFoundError,
+    ConfigMismatchError,
+    InvalidArgumentError,
+    LimitExceededError,
+    PermissionDeniedError,
+)
 
 log = logging.getLogger("millpond.registry")
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 FILE_SUFFIX = ".buffer"
 LOCK_FILE = ".millpond.lock"
 
 
 def check_name(name: object) -> str:
     """Return ``name`` if it is a valid buffer name (safe as a file name)."""
-    if not isinstance(name, str) or not NAME_RE.match(name) or ".." in name:
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or ".." in name:
         raise InvalidArgumentError(
             f"invalid buffer name {name!r}: use 1-128 of A-Z a-z 0-9 _ . - "
             "starting with a letter or digit"
@@ -36,7 +44,11 @@ def check_name(name: object) -> str:
     return name
 
 
-class DataDirLockedError(OSError):
+class DataDirError(OSError):
+    """The data directory cannot be used safely (exit 1 with the reason)."""
+
+
+class DataDirLockedError(DataDirError):
     """Another daemon already serves this data directory."""
 
 
@@ -46,19 +58,34 @@ class Registry:
     Buffers outlive the daemon: :meth:`recover` reopens every buffer file at
     start-up and :meth:`release_all` keeps them at shutdown; only
     :meth:`close` deletes one. An exclusive lock on the data directory keeps a
-    second daemon out (it would corrupt the files).
+    second daemon out (it would corrupt the files), and the directory must not
+    be writable by other users (they could plant files or links in it).
+
+    Creating and closing one name are serialized (a Close racing a Create
+    must not delete the new file, nor a Create truncate the old one under
+    its mapping); other names proceed in parallel. A new buffer's file is
+    built under a temporary name and published only once the buffer is
+    complete, never over anything already there.
     """
 
     def __init__(self, data_dir: str | Path, sync_every_push: bool = False,
-                 skip_corrupt: bool = False):
+                 skip_corrupt: bool = False, max_buffers: int | None = None,
+                 max_data_bytes: int | None = None):
         self.data_dir = Path(data_dir)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_private(self.data_dir)
         self._lock_fd = _lock_directory(self.data_dir)
         self.sync_every_push = sync_every_push
         self.skip_corrupt = skip_corrupt
+        self.max_buffers = max_buffers
+        self.max_data_bytes = max_data_bytes
         self._buffers: dict[str, TieredBuffer] = {}
-        self._lock = threading.Lock()         # guards _buffers; held briefly
-        self._create_lock = threading.Lock()  # serializes creations
+        self._lock = threading.Lock()  # guards _buffers; held briefly
+        # Per name (striped: bounded, never pruned): creations and closes of one name.
+        self._name_locks = [threading.Lock() for _ in range(64)]
+
+    def _name_lock(self, name: str) -> threading.Lock:
+        return self._name_locks[hash(name) % len(self._name_locks)]
 
     def path(self, name: str) -> Path:
         """The file where buffer ``name`` keeps its records (both tiers)."""
@@ -68,9 +95,19 @@ class Registry:
         """Reopen every buffer file in the data directory; return how many.
 
         Logs each buffer before and after, so a long recovery is visibly not
-        a hang. A damaged file stops the start with CorruptFileError naming it.
+        a hang. A damaged file stops the start with CorruptFileError naming
+        it. Leftovers of creations a crash interrupted are removed; anything
+        that is not a regular file (a symlink) is left alone, with a warning.
         """
-        paths = sorted(self.data_dir.glob(f"*{FILE_SUFFIX}"))
+        for leftover in self.data_dir.glob(f".*{FILE_SUFFIX}.*.tmp"):
+            log.warning("removing an unfinished buffer file", extra={"kv": {"file": leftover.name}})
+            leftover.unlink(missing_ok=True)
+        paths = []
+        for path in sorted(self.data_dir.glob(f"*{FILE_SUFFIX}")):
+            if stat.S_ISREG(path.lstat().st_mode):
+                paths.append(path)
+            else:
+                log.warning("not a regular file: ignored", extra={"kv": {"file": path.name}})
         for i, path in enumerate(paths, 1):
             name = path.name[: -len(FILE_SUFFIX)]
             log.info("recovering buffer", extra={"kv": {
@@ -89,16 +126,21 @@ class Registry:
                 "buffer": name, "records": len(buffer), "pushed": buffer.pushed}})
         return len(paths)
 
-    def create(self, name: str, config: BufferConfig) -> tuple[TieredBuffer, bool]:
+    def create(self, name: str, config: BufferConfig,
+               may_create: bool = True) -> tuple[TieredBuffer, bool]:
         """Create ``name`` or attach to it; return ``(buffer, created)``.
 
         Attaching requires an equal config (``beta`` aside: learners anneal
-        it), else :class:`ConfigMismatchError` names what differs.
+        it), else :class:`ConfigMismatchError` names what differs. A caller
+        that may only attach (``may_create=False``) gets PermissionDeniedError
+        where a new buffer would be made. Limits (``max_buffers``, the data
+        directory's disk budget) are checked before anything is written.
         """
         path = self.path(name)
-        with self._create_lock:
+        with self._name_lock(name):
             with self._lock:
                 existing = self._buffers.get(name)
+                count = len(self._buffers)
             if existing is not None:
                 if existing.config != config:
                     raise ConfigMismatchError(
@@ -106,7 +148,11 @@ class Registry:
                             f"{setting}: has {has}, asked for {wants}"
                             for setting, has, wants in existing.config.differences(config)))
                 return existing, False
-            buffer = TieredBuffer(config, path, persistent=True,
+            if not may_create:
+                raise PermissionDeniedError(
+                    f"no buffer {name!r}: creating one needs the admin role")
+            self._check_limits(count, config)
+            buffer = TieredBuffer(config, path, persistent=True, exclusive=True,
                                   sync_every_push=self.sync_every_push)
             with self._lock:
                 self._buffers[name] = buffer
@@ -114,6 +160,19 @@ class Registry:
             "buffer": name, "hot": config.hot_capacity, "total": config.total_capacity,
             "record_bytes": config.schema.record_nbytes}})
         return buffer, True
+
+    def _check_limits(self, count: int, config: BufferConfig) -> None:
+        if self.max_buffers is not None and count >= self.max_buffers:
+            raise LimitExceededError(
+                f"the server holds {count} buffers, its limit (--max-buffers); close one first")
+        if self.max_data_bytes is not None:
+            used = sum(p.stat().st_size for p in self.data_dir.glob(f"*{FILE_SUFFIX}"))
+            needed = file_nbytes(config, persistent=True)
+            if used + needed > self.max_data_bytes:
+                raise LimitExceededError(
+                    f"a buffer file of {needed:,} bytes would take the data directory to "
+                    f"{used + needed:,} bytes, over its limit of {self.max_data_bytes:,} "
+                    "(--max-data-gb)")
 
     def get(self, name: str) -> TieredBuffer:
         with self._lock:
@@ -123,12 +182,14 @@ class Registry:
         return buffer
 
     def close(self, name: str) -> None:
-        """Remove ``name`` and close it (its cold file is deleted)."""
-        with self._lock:
-            buffer = self._buffers.pop(name, None)
-        if buffer is None:
-            raise BufferNotFoundError(f"no buffer named {name!r}")
-        buffer.close()
+        """Remove ``name`` and close it: its file is deleted. Calls still using it get
+        BufferClosedError; a Create of the same name waits until the file is gone."""
+        with self._name_lock(name):
+            with self._lock:
+                buffer = self._buffers.pop(name, None)
+            if buffer is None:
+                raise BufferNotFoundError(f"no buffer named {name!r}")
+            buffer.close()
         log.info("buffer closed", extra={"kv": {"buffer": name}})
 
     def info(self, name: str, buffer: TieredBuffer | None = None) -> BufferInfo:
@@ -164,9 +225,22 @@ class Registry:
             return len(self._buffers)
 
 
+def _check_private(data_dir: Path) -> None:
+    """Refuse a data directory other users may write to (or that is not ours)."""
+    st = data_dir.stat()
+    if st.st_uid != os.geteuid() and os.geteuid() != 0:
+        raise DataDirError(f"data directory {data_dir} belongs to uid {st.st_uid}, "
+                           f"not to this server's uid {os.geteuid()}")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise DataDirError(
+            f"data directory {data_dir} is writable by other users (mode "
+            f"{stat.S_IMODE(st.st_mode):o}): they could plant files in it; chmod go-w it "
+            "or use a private directory")
+
+
 def _lock_directory(data_dir: Path) -> int:
     """Hold an exclusive lock on the data directory for this process's life."""
-    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -18,13 +18,15 @@ Bulk paths avoid needless copies of multi-megabyte payloads:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from millpond.core import Schema
-from millpond.errors import MessageTooLargeError
+from millpond.errors import InvalidArgumentError, MessageTooLargeError
 from millpond.shm.protocol import read_boot_id
 from millpond.v1 import replay_pb2 as pb
 from millpond.wire.codec import config_from_proto, decode_batch, info_to_proto
@@ -42,22 +44,28 @@ from millpond.wire.frames import (
 )
 from millpond.wire.status import ERROR_CODE_KEY, status_for
 
-from .fastpath import FastPathServer
+from .auth import ADMIN, bearer_token
+from .shm_listener import FastPathServer
 from .operations import Operations, wait_budget
 from .registry import check_name
 
 SERVICE_NAME = "millpond.v1.Replay"
 _METHODS = tuple(pb.DESCRIPTOR.services_by_name["Replay"].methods_by_name)
+# The role the running call authenticated as (each call runs in a task of its own).
+_ROLE: contextvars.ContextVar[str | None] = contextvars.ContextVar("millpond_role", default=None)
 
 
 def _rpc(method: Callable) -> Callable:
-    """The one error translator, and the readiness check, around an RPC handler."""
+    """The one error translator, and the role and readiness checks, around an RPC handler."""
+
+    parse = _REQUESTS[method.__name__]
 
     @functools.wraps(method)
-    async def handler(self: "ReplayService", request, context: grpc.aio.ServicerContext):
+    async def handler(self: "ReplayService", raw: bytes, context: grpc.aio.ServicerContext):
         try:
+            _ROLE.set(self.ops.auth.rpc_role(method.__name__, context))
             self.ops.check_ready()
-            return await method(self, request, context)
+            return await method(self, parse(raw), context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:
@@ -66,6 +74,23 @@ def _rpc(method: Callable) -> Callable:
             await context.abort(status, str(error), trailing_metadata=((ERROR_CODE_KEY, code),))
 
     return handler
+
+
+def _parser(message_class: Any) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        try:
+            return message_class.FromString(raw)
+        except DecodeError as exc:
+            raise InvalidArgumentError(f"malformed {message_class.__name__}: {exc}") from None
+    return parse
+
+
+# Each method's request parser. PushBatch keeps its bytes: frames.py reads them on the pool.
+_REQUESTS: dict[str, Callable[[bytes], Any]] = {
+    name: (lambda raw: raw) if name == "PushBatch" else _parser(
+        getattr(pb, pb.DESCRIPTOR.services_by_name["Replay"].methods_by_name[name].input_type.name))
+    for name in _METHODS
+}
 
 
 def sample_reply_nbytes(schema: Schema, batch_size: int) -> int:
@@ -93,7 +118,7 @@ class ReplayService:
     async def Create(self, request: pb.CreateRequest, context) -> pb.CreateReply:
         name = check_name(request.name)
         info, created = await self.ops.run(self.ops.create, name,
-                                           config_from_proto(request.config))
+                                           config_from_proto(request.config), _ROLE.get() == ADMIN)
         return pb.CreateReply(info=info_to_proto(info), created=created)
 
     @_rpc
@@ -107,7 +132,8 @@ class ReplayService:
     async def PushBatch(self, request: bytes, context) -> pb.PushReply:
         # Arrives unparsed (see add_to_server): parsing megabytes stays off the loop.
         timeout = decode_double(request, PUSH_TIMEOUT_FIELD)
-        size, pushed = await self.ops.admit(_budget(timeout, context), self._push_frames, request)
+        size, pushed = await self.ops.admit(_budget(timeout, context), self._push_frames, request,
+                                            held=len(request))
         return pb.PushReply(size=size, pushed=pushed)
 
     def _push_frames(self, raw: bytes) -> tuple[int, int]:
@@ -163,10 +189,17 @@ class ReplayService:
 
     @_rpc
     async def Negotiate(self, request: pb.NegotiateRequest, context) -> pb.NegotiateReply:
+        boot_id = read_boot_id()
+        if not boot_id or request.boot_id != boot_id:  # another host: tell it nothing
+            return pb.NegotiateReply(shm=False)
         if self.fastpath is None:
             return pb.NegotiateReply(shm=False, reason=self.fastpath_off_reason)
+        ticket = ""  # for a caller with no token to present (authenticated by certificate)
+        role = _ROLE.get()
+        if self.ops.auth.enabled and role and bearer_token(context.invocation_metadata()) is None:
+            ticket = self.ops.auth.issue_ticket(role)
         return pb.NegotiateReply(shm=True, socket=self.fastpath.socket_name,
-                                 boot_id=read_boot_id(), uid=self.fastpath.uid)
+                                 boot_id=boot_id, uid=self.fastpath.uid, ticket=ticket)
 
 
 def _passthrough_or_serialize(message) -> bytes:
@@ -175,28 +208,14 @@ def _passthrough_or_serialize(message) -> bytes:
 
 def add_to_server(service: ReplayService, server: grpc.aio.Server) -> None:
     """Register the service like the generated ``add_ReplayServicer_to_server``,
-    except that PushBatch requests are handed over unparsed and handlers may
-    return already-serialized replies (bytes)."""
-    requests = {
-        "Create": pb.CreateRequest.FromString,
-        "Push": pb.PushRequest.FromString,
-        "PushBatch": None,  # handed over as bytes, parsed on the pool
-        "Sample": pb.SampleRequest.FromString,
-        "Close": pb.CloseRequest.FromString,
-        "Info": pb.InfoRequest.FromString,
-        "List": pb.ListRequest.FromString,
-        "Negotiate": pb.NegotiateRequest.FromString,
-        "UpdatePriorities": pb.UpdatePrioritiesRequest.FromString,
-        "SetBeta": pb.SetBetaRequest.FromString,
-    }
-    assert set(requests) == set(_METHODS), "service methods changed: update add_to_server"
+    except that requests are handed over as bytes (parsed by :func:`_rpc`, so
+    that a malformed one is INVALID_ARGUMENT, not gRPC's INTERNAL) and
+    handlers may return already-serialized replies (bytes)."""
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
-            getattr(service, name),
-            request_deserializer=parse,
-            response_serializer=_passthrough_or_serialize,
-        )
-        for name, parse in requests.items()
+            getattr(service, name), request_deserializer=None,
+            response_serializer=_passthrough_or_serialize)
+        for name in _METHODS
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -29,6 +29,8 @@ from .bufferfile import BufferFile
 from .checks import check_batch_size, check_indices, check_priorities, check_seed, check_timeout
 from .config import BufferConfig, ConfiguredBuffer, check_exponent
 from .draw import Proportional, slot_arrays_for, strategy_for
+from .footprint import memory_needed
+from .memory import check_available
 from .fifo import Fifo
 from .info import BufferInfo
 from .ratelimit import RateState
@@ -57,10 +59,15 @@ class TieredBuffer(ConfiguredBuffer):
     """
 
     def __init__(self, config: BufferConfig, path: str | os.PathLike | None = None, *,
-                 persistent: bool = False, sync_every_push: bool = False):
+                 persistent: bool = False, sync_every_push: bool = False, exclusive: bool = False):
+        """Everything is checked (config, memory, disk) before anything is written, and
+        the file gets its name only once the buffer is built: a failed creation
+        leaves nothing behind. ``exclusive``: refuse to take the place of anything
+        already at ``path`` (FileConflictError) instead of replacing it."""
         if not isinstance(config, BufferConfig):
             raise InvalidConfigError(f"config must be a millpond BufferConfig, got {config!r}")
         hot, total = config.hot_capacity, config.total_capacity
+        check_available(memory_needed(config, persistent), "this buffer")
         file = None
         if persistent or total > hot:
             if path is None and persistent:
@@ -69,11 +76,19 @@ class TieredBuffer(ConfiguredBuffer):
                 os.fspath(path) if path is not None else _temp_path(), config.schema, hot, total,
                 persistent=persistent, extra_meta=config.sampling_meta(),
                 slot_arrays=slot_arrays_for(config) if persistent else None)
-        hot_tier = file.hot_tier if file is not None and persistent else Tier.in_memory(config.schema, hot)
-        assert hot_tier is not None  # a persistent buffer's file (made above) holds its hot tier
-        fifo = Fifo(config.schema, hot_tier, None if file is None else file.tier, total, file,
-                    durable=persistent, sync_every_push=sync_every_push)
-        self._setup(config, fifo, persistent)
+        try:
+            hot_tier = file.hot_tier if file is not None and persistent else Tier.in_memory(
+                config.schema, hot)
+            assert hot_tier is not None  # a persistent buffer's file holds its hot tier
+            fifo = Fifo(config.schema, hot_tier, None if file is None else file.tier, total, file,
+                        durable=persistent, sync_every_push=sync_every_push)
+            self._setup(config, fifo, persistent)
+            if file is not None:
+                file.publish(replace=not exclusive)
+        except BaseException:
+            if file is not None:
+                file.close(delete=True)
+            raise
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, sync_every_push: bool = False,
@@ -292,14 +307,8 @@ class TieredBuffer(ConfiguredBuffer):
             else:
                 self._rate.wait_until("sample", batch_size, lambda: self._sample_ready(batch_size),
                                       timeout, self._size, self._check_open)
-            if self.config.mode == "queue":
-                seqs = self._fifo.take_oldest(batch_size)
-                result = self._fifo.gather(seqs, out)
-                self._fifo.drop_through(int(seqs[-1]))
-            elif self.config.mode == "stack":
-                seqs = self._fifo.take_newest(batch_size)
-                result = self._fifo.gather(seqs, out, hot_first=True)
-                self._fifo.drop_from(int(seqs[-1]))
+            if self.config.removes:
+                result = self._fifo.pop(batch_size, newest=self.config.mode == "stack", out=out)
             else:
                 # Unseeded draws share one generator (guarded by the lock): making
                 # a fresh one costs more than sampling 256 small records.

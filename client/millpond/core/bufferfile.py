@@ -40,19 +40,25 @@ once; nothing is remapped or msynced per sample.
 
 from __future__ import annotations
 
-import errno
 import json
 import mmap
 import os
+import secrets
 import struct
 import zlib
 from typing import Mapping
 
 import numpy as np
 
-from ..errors import CorruptFileError, InvalidConfigError, StorageFullError, StorageIOError
+from ..errors import (
+    CorruptFileError,
+    FileConflictError,
+    InvalidConfigError,
+    StorageIOError,
+)
 from .schema import Schema
 from .checksum import CHECKSUM_DTYPE
+from .fileops import CREATE_FLAGS, allocate, check_free_space, fsync_directory, unlink_quietly
 from .tier import SEQ_DTYPE, Tier
 
 MAGIC = b"MILLPOND"
@@ -100,6 +106,32 @@ def _layout(sizes: list[tuple[str, int]], meta: dict) -> tuple[int, dict, int]:
         header = _round_up(_JSON_OFFSET + len(blob))
 
 
+def _plan(schema: Schema, hot_capacity: int, total_capacity: int, persistent: bool,
+          extra_meta: dict | None, slot_arrays: Mapping[str, str] | None) -> tuple[int, dict, int]:
+    """(header size, metadata with its region table, file size) of a new file."""
+    checked = _check_slot_arrays(slot_arrays or {})
+    cold_capacity = total_capacity - hot_capacity
+    meta = {
+        "schema": {name: [dt, list(shape)] for name, (dt, shape) in schema.spec().items()},
+        "hot_capacity": hot_capacity,
+        "total_capacity": total_capacity,
+        "cold_capacity": cold_capacity,
+        "persistent": persistent,
+        **(extra_meta or {}),  # e.g. the sampler of a prioritized buffer
+    }
+    # Only a persistent file is ever reopened: only it needs checksums.
+    sizes = _region_sizes(schema, cold_capacity, "", persistent) if cold_capacity else []
+    if persistent:
+        sizes += _region_sizes(schema, hot_capacity, HOT_PREFIX, True)
+    if checked:
+        meta["slot_arrays"] = checked
+        sizes += [(SLOT_PREFIX + name, total_capacity * np.dtype(dtype).itemsize)
+                  for name, dtype in checked.items()]
+    header, regions, size = _layout(sizes, meta)
+    meta["regions"] = regions
+    return header, meta, size
+
+
 def _slot_crc(*counters: int) -> int:
     return zlib.crc32(_COUNTERS.pack(*counters))
 
@@ -110,6 +142,7 @@ class BufferFile:
     def __init__(self, path: str, fd: int, mm: mmap.mmap, meta: dict, schema: Schema,
                  counters: tuple[int, int, int, int] = (0, 0, 0, 0)):
         self.path = path
+        self.final_path = path  # where publish() puts a created file
         self._fd = fd
         self._mm: mmap.mmap | None = mm  # None once closed
         self.meta = meta
@@ -136,59 +169,77 @@ class BufferFile:
     def create(cls, path: str, schema: Schema, hot_capacity: int, total_capacity: int,
                persistent: bool = False, extra_meta: dict | None = None,
                slot_arrays: Mapping[str, str] | None = None) -> "BufferFile":
-        """Create (or replace) the file at ``path``, fully allocated.
+        """The file for ``path``, fully allocated, under a temporary name beside it.
+
+        :meth:`publish` gives it its name once its owner is fully built, so a
+        creation that fails at any point leaves nothing at ``path``
+        (:meth:`close` with ``delete`` removes the temporary file). The
+        temporary file is created exclusively and never through a symlink.
 
         ``persistent`` puts the hot ring in the file as well. ``slot_arrays``
         (``{name: numpy dtype string}``, e.g. ``{"priority": "<f8"}``) adds one
         zeroed array of ``total_capacity`` elements each: see
         :meth:`slot_array`. Raises :class:`StorageFullError` when the disk
-        cannot hold it; the partial file is removed.
+        cannot hold it, before writing anything.
         """
-        slot_arrays = _check_slot_arrays(slot_arrays or {})
-        cold_capacity = total_capacity - hot_capacity
-        meta = {
-            "schema": {name: [dt, list(shape)] for name, (dt, shape) in schema.spec().items()},
-            "hot_capacity": hot_capacity,
-            "total_capacity": total_capacity,
-            "cold_capacity": cold_capacity,
-            "persistent": persistent,
-            **(extra_meta or {}),  # e.g. the sampler of a prioritized buffer
-        }
-        # Only a persistent file is ever reopened: only it needs checksums.
-        sizes = _region_sizes(schema, cold_capacity, "", persistent) if cold_capacity else []
-        if persistent:
-            sizes += _region_sizes(schema, hot_capacity, HOT_PREFIX, True)
-        if slot_arrays:
-            meta["slot_arrays"] = slot_arrays
-            sizes += [(SLOT_PREFIX + name, total_capacity * np.dtype(dtype).itemsize)
-                      for name, dtype in slot_arrays.items()]
-        header, regions, size = _layout(sizes, meta)
-        meta["regions"] = regions
+        header, meta, size = _plan(schema, hot_capacity, total_capacity, persistent, extra_meta,
+                                   slot_arrays)
+        directory, base = os.path.split(os.path.abspath(path))
+        check_free_space(directory, size, path)
+        temp = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(temp, CREATE_FLAGS, 0o600)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
             raise InvalidConfigError(f"cannot create buffer file {path}: {exc.strerror}") from exc
         try:
-            _allocate(fd, size, path)
+            allocate(fd, size, path)
             mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
-            _unlink_quietly(path)
+            unlink_quietly(temp)
             raise
         blob = json.dumps(meta).encode()
         _PREFIX.pack_into(mm, 0, MAGIC, FORMAT_VERSION, header, len(blob))
         mm[_JSON_OFFSET : _JSON_OFFSET + len(blob)] = blob
-        created = cls(path, fd, mm, meta, schema)
+        created = cls(temp, fd, mm, meta, schema)
+        created.final_path = path
         created.commit(0, 0, 0)
         return created
+
+    @staticmethod
+    def nbytes(schema: Schema, hot_capacity: int, total_capacity: int, persistent: bool = False,
+               extra_meta: dict | None = None, slot_arrays: Mapping[str, str] | None = None) -> int:
+        """The size of the file :meth:`create` would make with these arguments."""
+        return _plan(schema, hot_capacity, total_capacity, persistent, extra_meta, slot_arrays)[2]
+
+    def publish(self, replace: bool = True) -> None:
+        """Give a created file its name (atomically). ``replace=False`` refuses to
+        take the place of anything already there (a file, a symlink): FileConflictError."""
+        if self.path == self.final_path:
+            return
+        if replace:
+            os.rename(self.path, self.final_path)
+        else:
+            try:
+                os.link(self.path, self.final_path)  # fails if anything has that name
+            except FileExistsError:
+                raise FileConflictError(
+                    f"{self.final_path} exists and is not a buffer this process serves; "
+                    "move it away") from None
+            os.unlink(self.path)
+        self.path = self.final_path
+        if self.meta["persistent"]:  # the new name survives a machine crash too
+            fsync_directory(os.path.dirname(os.path.abspath(self.path)))
 
     @classmethod
     def open(cls, path: str) -> "BufferFile":
         """Map an existing buffer file; raises CorruptFileError if it is not a sound one."""
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError as exc:
             raise InvalidConfigError(f"no buffer file at {path}") from exc
+        except OSError as exc:  # ELOOP: a symlink; never followed
+            raise CorruptFileError(f"{path} is not a regular file ({exc.strerror})") from exc
         try:
             size = os.fstat(fd).st_size
             if size < PAGE:
@@ -256,7 +307,7 @@ class BufferFile:
         os.close(self._fd)
         self._mm = None
         if delete:
-            _unlink_quietly(self.path)
+            unlink_quietly(self.path)
 
 
 def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema]:
@@ -322,23 +373,3 @@ def _check_slot_arrays(slot_arrays: Mapping[str, str]) -> dict[str, str]:
             raise InvalidConfigError(f"slot array {name!r}: dtype {dtype!r} cannot live in a file")
         checked[name] = dt.str  # e.g. "<f8": explicit byte order
     return checked
-
-
-def _allocate(fd: int, size: int, path: str) -> None:
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            raise StorageFullError(
-                f"cannot allocate {size:,} bytes for buffer file {path}: {os.strerror(exc.errno)}"
-            ) from exc
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        os.ftruncate(fd, size)  # filesystem without fallocate: best effort
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

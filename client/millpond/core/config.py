@@ -19,11 +19,14 @@ from .ratelimit import Queue, RateLimiter
 from .schema import Schema
 
 MODES = ("replay", "queue", "stack")
+MAX_CAPACITY = 2**40  # records: far beyond any disk, and safe in int64 seq arithmetic
+MAX_TIMES_SAMPLED = 2**32 - 1  # draw counts are uint32
 
 
-def _positive_int(label: str, value: Any) -> int:
-    if not is_integral(value) or isinstance(value, bool) or value <= 0:
-        raise InvalidConfigError(f"{label} must be a positive integer, got {value!r}")
+def _capacity(label: str, value: Any) -> int:
+    if not is_integral(value) or isinstance(value, bool) or not 0 < value <= MAX_CAPACITY:
+        raise InvalidConfigError(
+            f"{label} must be a positive integer of at most {MAX_CAPACITY:,}, got {value!r}")
     return int(value)
 
 
@@ -82,8 +85,8 @@ class BufferConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.schema, Schema):
             raise InvalidConfigError(f"schema must be a millpond Schema, got {self.schema!r}")
-        hot = _positive_int("hot_capacity", self.hot_capacity)
-        total = _positive_int("total_capacity", self.total_capacity)
+        hot = _capacity("hot_capacity", self.hot_capacity)
+        total = _capacity("total_capacity", self.total_capacity)
         if total < hot:
             raise InvalidConfigError(
                 f"total_capacity ({total}) must be >= hot_capacity ({hot})")
@@ -91,9 +94,10 @@ class BufferConfig:
             raise InvalidConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         limit = self.max_times_sampled
         if limit is not None:
-            if not is_integral(limit) or isinstance(limit, bool) or limit < 0:
+            if not is_integral(limit) or isinstance(limit, bool) or not 0 <= limit <= MAX_TIMES_SAMPLED:
                 raise InvalidConfigError(
-                    f"max_times_sampled must be an integer >= 0 (0: unlimited), got {limit!r}")
+                    f"max_times_sampled must be an integer in [0, {MAX_TIMES_SAMPLED}] "
+                    f"(0: unlimited), got {limit!r}")
             limit = int(limit) or None
         if limit is not None and self.mode != "replay":
             raise InvalidConfigError(f"a {self.mode} removes every record it returns: "

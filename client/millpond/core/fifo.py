@@ -100,23 +100,21 @@ class Fifo:
         self._commit(new, first, hot_lo, always=True)  # (3) the push is in
         return old, new
 
-    def take_oldest(self, k: int) -> np.ndarray:
-        """The ``k`` oldest live seqs, oldest first: what a queue takes (then :meth:`drop_through`)."""
-        span = np.arange(self.first, min(self.pushed, self.first + k + len(self.holes)))
-        return np.setdiff1d(span, self.holes, assume_unique=True)[:k]
-
-    def take_newest(self, k: int) -> np.ndarray:
-        """The ``k`` newest live seqs, newest first: what a stack takes (then :meth:`drop_from`)."""
-        span = np.arange(max(self.first, self.pushed - k - len(self.holes)), self.pushed)
-        return np.setdiff1d(span, self.holes, assume_unique=True)[-k:][::-1]
-
-    def drop_through(self, seq: int) -> None:
-        """Remove the oldest records up to and including ``seq`` (after a queue's gather)."""
-        self._commit(self.pushed, seq + 1, self.hot_lo, always=True)
-
-    def drop_from(self, seq: int) -> None:
-        """Remove the newest records from ``seq`` on (after a stack's gather)."""
-        self._commit(seq, self.first, self.hot_lo, always=True)
+    def pop(self, k: int, newest: bool, out: Mapping[str, np.ndarray] | None = None
+            ) -> dict[str, np.ndarray]:
+        """Gather and remove the ``k`` oldest live records, oldest first (a queue), or
+        with ``newest`` the ``k`` newest, newest first (a stack). ``k`` are held."""
+        if newest:
+            span = np.arange(max(self.first, self.pushed - k - len(self.holes)), self.pushed)
+            seqs = np.setdiff1d(span, self.holes, assume_unique=True)[-k:][::-1]
+            result = self.gather(seqs, out, hot_first=True)
+            self._commit(int(seqs[-1]), self.first, self.hot_lo, always=True)
+        else:
+            span = np.arange(self.first, min(self.pushed, self.first + k + len(self.holes)))
+            seqs = np.setdiff1d(span, self.holes, assume_unique=True)[:k]
+            result = self.gather(seqs, out)
+            self._commit(self.pushed, int(seqs[-1]) + 1, self.hot_lo, always=True)
+        return result
 
     def _commit(self, pushed: int, first: int, hot_lo: int, always: bool = False) -> None:
         """Adopt the live ranges; record them in the file if durable.

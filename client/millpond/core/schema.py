@@ -24,6 +24,11 @@ from ..errors import (
 # Fixed-size numeric kinds only: no objects, strings or datetimes ever cross
 # the wire or land in a file.
 _STORABLE_KINDS = "biuf"
+# Bounds a hostile config (or column header) cannot get past: numpy allows 64
+# dimensions in all, and no record needs more than this many bytes.
+MAX_FIELD_NDIM = 16
+MAX_DIMENSION = 2**31 - 1
+MAX_RECORD_BYTES = 1 << 30
 
 
 def plain_dtype(dtype: Any) -> np.dtype | None:
@@ -79,7 +84,15 @@ def _make_field(name: Any, dtype: Any, shape: Any) -> Field:
         raise InvalidConfigError(f"field {name!r}: shape must be a tuple of ints") from exc
     if any(d <= 0 for d in dims):
         raise InvalidConfigError(f"field {name!r}: every dimension must be > 0, got {dims}")
-    return Field(name, _storage_dtype(dtype), dims)
+    if len(dims) > MAX_FIELD_NDIM or any(d > MAX_DIMENSION for d in dims):
+        raise InvalidConfigError(
+            f"field {name!r}: at most {MAX_FIELD_NDIM} dimensions of at most {MAX_DIMENSION:,}, "
+            f"got {len(dims)} dimensions")
+    field = Field(name, _storage_dtype(dtype), dims)
+    if field.nbytes > MAX_RECORD_BYTES:
+        raise InvalidConfigError(f"field {name!r}: {field.nbytes:,} bytes per record is more than "
+                                 f"the {MAX_RECORD_BYTES:,} a record may have")
+    return field
 
 
 class Schema:
@@ -91,6 +104,8 @@ class Schema:
         names = [f.name for f in fields]
         if len(set(names)) != len(names):
             raise InvalidConfigError(f"duplicate field names in {names}")
+        if sum(f.nbytes for f in fields) > MAX_RECORD_BYTES:
+            raise InvalidConfigError(f"a record may have at most {MAX_RECORD_BYTES:,} bytes")
         self.fields: tuple[Field, ...] = tuple(fields)
         self._by_name = {f.name: f for f in fields}
         self._hash = hash(tuple(self.spec().items()))
@@ -255,6 +270,10 @@ def _fit(field: Field, arr: np.ndarray, n: int) -> np.ndarray:
     arr = arr.reshape((n,) + field.shape)
     src, dst = arr.dtype, field.dtype
     if src == dst:
+        # A bool array made from raw bytes (the wire, shared memory) may hold
+        # 2..255: store what numpy means by it, True, as 1.
+        if dst.kind == "b" and arr.size and arr.view(np.uint8).max() > 1:
+            return arr != 0
         return arr
     if dst.kind == "b":
         return arr != 0

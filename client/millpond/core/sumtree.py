@@ -38,15 +38,10 @@ class SumTree:
         if capacity < 1 or top < 1 or (branching is not None and branching < 2):
             raise ValueError("capacity and top must be >= 1, branching >= 2")
         self.capacity = capacity
-        if branching is None:
-            depth = _depth(capacity, BRANCHINGS[-1], top)
-            branching = next(b for b in BRANCHINGS if _depth(capacity, b, top) == depth)
-        self.branching = b = branching
+        self.branching = b = branching or _branching(capacity, top)
         self.depth = depth = _depth(capacity, b, top)
-        # Level 0 holds the leaves, level ``depth`` the top. Every row is
-        # full: the leaves are padded (0 / +inf) to top_nodes * b ** depth.
-        top_nodes = -(-capacity // b**depth)
-        sizes = [top_nodes * b ** (depth - k) for k in range(depth + 1)]
+        sizes = _level_sizes(capacity, b, depth)
+        top_nodes = sizes[-1]
         self._values = [np.zeros(n, np.float64) for n in sizes]
         self._mins = [np.full(n, np.inf, np.float64) for n in sizes]
         # Row r of level k (one per node of level k + 1) is
@@ -173,6 +168,28 @@ class SumTree:
             mins = self._mins[level].reshape(-1, b).take(nodes, axis=0).T.copy()
             self._mins[level + 1][nodes] = np.minimum.reduce(mins, axis=0)
         self._stale = True
+
+
+def _branching(capacity: int, top: int) -> int:
+    """The narrowest of BRANCHINGS that needs the fewest levels."""
+    depth = _depth(capacity, BRANCHINGS[-1], top)
+    return next(b for b in BRANCHINGS if _depth(capacity, b, top) == depth)
+
+
+def _level_sizes(capacity: int, b: int, depth: int) -> list[int]:
+    """Nodes per level: level 0 holds the leaves, level ``depth`` the top. Every
+    row is full: the leaves are padded (0 / +inf) to top_nodes * b ** depth."""
+    top_nodes = -(-capacity // b**depth)
+    return [top_nodes * b ** (depth - k) for k in range(depth + 1)]
+
+
+def tree_nbytes(capacity: int, top: int = TOP) -> int:
+    """The memory a :class:`SumTree` of ``capacity`` leaves takes, before making one."""
+    b = _branching(capacity, top)
+    sizes = _level_sizes(capacity, b, _depth(capacity, b, top))
+    values_and_mins = 2 * 8 * sum(sizes)
+    row_sums = 8 * (b + 1) * sum(sizes[1:])
+    return values_and_mins + row_sums + 8 * (sizes[-1] + 1)
 
 
 def _depth(capacity: int, branching: int, top: int) -> int:

@@ -14,6 +14,7 @@ import fcntl
 import mmap
 import os
 
+from ..core.memory import available_memory
 from ..errors import InvalidArgumentError, SharedMemoryError
 
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -23,47 +24,6 @@ REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # memory has no size limit of its own, and reserving past what is free ends
 # in the OOM killer, not in an error.
 MAX_SHARE_OF_AVAILABLE = 0.5
-
-
-def available_memory() -> int | None:
-    """Bytes this process may still use: MemAvailable, capped by its memory cgroup.
-
-    Containers see the host's /proc/meminfo, so the cgroup limit (v2
-    ``memory.max``, v1 ``memory.limit_in_bytes``) minus current usage counts too.
-    """
-    candidates = [_read_int("/proc/meminfo", "MemAvailable:", 1024)]
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # cgroup v2
-            base = f"/sys/fs/cgroup{path}"
-            limit, usage = f"{base}/memory.max", f"{base}/memory.current"
-        elif "memory" in controllers.split(","):  # cgroup v1
-            base = f"/sys/fs/cgroup/memory{path}"
-            limit, usage = f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes"
-        else:
-            continue
-        cap, used = _read_int(limit), _read_int(usage)
-        if cap is not None and used is not None:
-            candidates.append(cap - used)
-    known = [c for c in candidates if c is not None]
-    return min(known) if known else None
-
-
-def _read_int(path: str, prefix: str = "", scale: int = 1) -> int | None:
-    """An integer from a file ("max" and unreadable files give None)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(prefix):
-                    return int(line[len(prefix):].split()[0]) * scale
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def create_segment(size: int, label: str) -> int:

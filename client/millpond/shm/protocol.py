@@ -7,7 +7,8 @@ descriptors travel beside it as ``SCM_RIGHTS`` ancillary data. Requests:
 =====================  ===========================================  ======================
 op                     fields                                       reply
 =====================  ===========================================  ======================
-``hello``              ``version``                                  ``version``
+``hello``              ``version``; ``token`` or ``ticket``         ``version``
+                       (authentication on)
 ``push_segment``       ``size`` (+ 1 fd: the client's sealed memfd)  ``segment``
 ``push``               ``buffer``, ``segment``, ``n``, ``columns``  ``size``, ``pushed``
                        (``[[name, offset, dtype, shape], ...]``),
@@ -155,11 +156,11 @@ def recv(sock: socket.socket, spin: float = 0.0) -> tuple[dict[str, Any] | None,
         message = json.loads(data)
         if not isinstance(message, dict):
             raise InvalidArgumentError("fast-path message is not a JSON object")
-    except (ValueError, InvalidArgumentError) as exc:
+    except (ValueError, RecursionError, InvalidArgumentError) as exc:
         close_fds(fds)
         if isinstance(exc, InvalidArgumentError):
             raise
-        raise InvalidArgumentError("fast-path message is not JSON") from exc
+        raise InvalidArgumentError("fast-path message is not JSON (or nested too deep)") from exc
     return message, fds
 
 

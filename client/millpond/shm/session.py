@@ -64,7 +64,7 @@ class ShmSession:
     """
 
     def __init__(self, socket_name: str, server_uid: int, deadline: float,
-                 served: Counter[str] | None = None):
+                 served: Counter[str] | None = None, hello: dict[str, str] | None = None):
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.settimeout(deadline)
         self.deadline = deadline
@@ -74,13 +74,15 @@ class ShmSession:
                 socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
             if uid != server_uid:
                 raise ConnectionRefusedError(f"fast-path socket is owned by uid {uid}")
-            # The server closes connections from peers it does not admit:
-            # learn that now, not on the first push.
-            protocol.send(self._sock, {"op": "hello", "version": protocol.VERSION})
+            # The server closes connections from peers it does not admit, and
+            # (authentication on) refuses a hello without a token or ticket it
+            # knows: learn that now, not on the first push.
+            protocol.send(self._sock, {"op": "hello", "version": protocol.VERSION, **(hello or {})})
             reply, fds = protocol.recv(self._sock)
             protocol.close_fds(fds)
             if not reply or not reply.get("ok"):
-                raise ConnectionRefusedError("the server did not admit this client")
+                raise ConnectionRefusedError("the server did not admit this client: "
+                                             + str((reply or {}).get("message", "connection closed")))
         except OSError:
             self._sock.close()
             raise

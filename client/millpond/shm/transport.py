@@ -32,21 +32,25 @@ class ShmTransport:
     """Bulk calls over the server's fast-path socket ``socket_name`` (owned by ``uid``).
 
     Opening it opens one session, so an unreachable socket or a refusal
-    raises OSError here, not on the first call.
+    raises OSError here, not on the first call. ``hello``: what each
+    session's hello presents to a server with authentication on (a token or
+    a ticket).
     """
 
     name = "shm"
 
-    def __init__(self, socket_name: str, uid: int, deadline: float):
+    def __init__(self, socket_name: str, uid: int, deadline: float,
+                 hello: dict[str, str] | None = None):
         self._socket_name = socket_name
         self._uid = uid
+        self._hello = hello or {}
         self._lock = threading.Lock()
         self.served: Counter[str] = Counter()  # successful requests per op, all sessions
         self._idle = [self._open(deadline)]
         self.stale = False
 
     def _open(self, deadline: float) -> ShmSession:
-        return ShmSession(self._socket_name, self._uid, deadline, self.served)
+        return ShmSession(self._socket_name, self._uid, deadline, self.served, self._hello)
 
     @contextlib.contextmanager
     def _session(self, deadline: float) -> Iterator[ShmSession]:

@@ -213,18 +213,20 @@ class NegotiateRequest(_message.Message):
     def __init__(self, boot_id: _Optional[str] = ...) -> None: ...
 
 class NegotiateReply(_message.Message):
-    __slots__ = ("shm", "socket", "boot_id", "uid", "reason")
+    __slots__ = ("shm", "socket", "boot_id", "uid", "reason", "ticket")
     SHM_FIELD_NUMBER: _ClassVar[int]
     SOCKET_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     shm: bool
     socket: str
     boot_id: str
     uid: int
     reason: str
-    def __init__(self, shm: _Optional[bool] = ..., socket: _Optional[str] = ..., boot_id: _Optional[str] = ..., uid: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    ticket: str
+    def __init__(self, shm: _Optional[bool] = ..., socket: _Optional[str] = ..., boot_id: _Optional[str] = ..., uid: _Optional[int] = ..., reason: _Optional[str] = ..., ticket: _Optional[str] = ...) -> None: ...
 
 class UpdatePrioritiesRequest(_message.Message):
     __slots__ = ("name", "indices", "priorities")

@@ -16,7 +16,7 @@ import numpy as np
 from ..core.config import BufferConfig, Prioritized
 from ..core.info import COUNTERS, PRIORITY_STATE, BufferInfo
 from ..core.ratelimit import RateLimiter
-from ..core.schema import Schema, plain_dtype
+from ..core.schema import MAX_DIMENSION, MAX_FIELD_NDIM, Schema, plain_dtype
 from ..errors import DTypeMismatchError, InvalidConfigError, ShapeMismatchError
 from ..v1 import replay_pb2 as pb
 
@@ -58,6 +58,8 @@ def check_column(name: str, dtype: str, shape: tuple[int, ...], nbytes: int
         raise DTypeMismatchError(f"column {name!r}: dtype {dtype!r} is not allowed on the wire")
     if any(d < 0 for d in shape):
         raise ShapeMismatchError(f"column {name!r}: negative dimension in {shape}")
+    if len(shape) > MAX_FIELD_NDIM + 1 or any(d > MAX_DIMENSION for d in shape):
+        raise ShapeMismatchError(f"column {name!r}: {len(shape)} dimensions, or one too large")
     if math.prod(shape) * dt.itemsize != nbytes:
         raise ShapeMismatchError(f"column {name!r}: {nbytes} bytes do not hold {dt}{list(shape)}")
     return dt, shape

@@ -21,13 +21,17 @@ STATUS_BY_ERROR: dict[type[e.ReplayError], grpc.StatusCode] = {
     e.BufferClosedError: grpc.StatusCode.FAILED_PRECONDITION,
     e.BufferNotFoundError: grpc.StatusCode.NOT_FOUND,
     e.ConfigMismatchError: grpc.StatusCode.ALREADY_EXISTS,
+    e.FileConflictError: grpc.StatusCode.ALREADY_EXISTS,
     e.StorageFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     e.MessageTooLargeError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    e.LimitExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     e.CorruptFileError: grpc.StatusCode.DATA_LOSS,
     e.StorageIOError: grpc.StatusCode.DATA_LOSS,
     e.DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     e.ServerUnavailableError: grpc.StatusCode.UNAVAILABLE,
     e.InternalError: grpc.StatusCode.INTERNAL,
+    e.AuthenticationError: grpc.StatusCode.UNAUTHENTICATED,
+    e.PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     e.ReplayError: grpc.StatusCode.UNKNOWN,
 }
 
@@ -35,10 +39,13 @@ STATUS_BY_ERROR: dict[type[e.ReplayError], grpc.StatusCode] = {
 _ERROR_BY_STATUS: dict[grpc.StatusCode, type[e.ReplayError]] = {
     grpc.StatusCode.UNAVAILABLE: e.ServerUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: e.DeadlineExceededError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: e.MessageTooLargeError,
+    # gRPC's own limits: concurrent calls (--max-concurrent-calls), message size.
+    grpc.StatusCode.RESOURCE_EXHAUSTED: e.LimitExceededError,
     grpc.StatusCode.NOT_FOUND: e.BufferNotFoundError,
     grpc.StatusCode.INVALID_ARGUMENT: e.InvalidArgumentError,
     grpc.StatusCode.INTERNAL: e.InternalError,
+    grpc.StatusCode.UNAUTHENTICATED: e.AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: e.PermissionDeniedError,
 }
 
 _CLASSES_BY_CODE = e.error_classes()

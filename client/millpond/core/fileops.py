@@ -1,0 +1,49 @@
+"""File-system steps of making a buffer file: room first, exclusive creation, allocation, a durable name."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+from ..errors import InvalidConfigError, StorageFullError
+
+CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def check_free_space(directory: str, size: int, path: str) -> None:
+    try:
+        free = shutil.disk_usage(directory).free
+    except FileNotFoundError as exc:
+        raise InvalidConfigError(f"cannot create buffer file {path}: no directory {directory}") from exc
+    if size > free:
+        raise StorageFullError(
+            f"buffer file {path} needs {size:,} bytes; the disk has {free:,} free")
+
+
+def fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def allocate(fd: int, size: int, path: str) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise StorageFullError(
+                f"cannot allocate {size:,} bytes for buffer file {path}: {os.strerror(exc.errno)}"
+            ) from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # filesystem without fallocate: best effort
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
