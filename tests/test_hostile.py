@@ -436,3 +436,18 @@ def test_a_reply_with_a_hostile_error_code_is_a_plain_replay_error():
     with pytest.raises(millpond.ReplayError) as info:
         protocol.raise_for({"ok": False, "code": ["not", "a", "code"], "message": "x"})
     assert type(info.value) is millpond.ReplayError
+
+
+def test_the_number_of_buffers_and_their_disk_are_capped(tmp_path):
+    with ServerProcess(tmp_path / "data", "--max-buffers", "2", "--max-data-gb", "0.01") as server:
+        client = millpond.connect(server.address)
+        for name in ("a", "b"):
+            client.create_buffer(name, capacity=10, obs_dim=2, act_dim=1)
+        with pytest.raises(millpond.LimitExceededError, match="max-buffers"):
+            client.create_buffer("c", capacity=10, obs_dim=2, act_dim=1)
+        client.delete_buffer("b")
+        with pytest.raises(millpond.LimitExceededError, match="max-data-gb"):  # 10 MB budget
+            client.create_buffer("big", capacity=1_000_000, obs_dim=2, act_dim=1)
+        client.create_buffer("c", capacity=10, obs_dim=2, act_dim=1)  # room again
+        assert sorted(p.name for p in (tmp_path / "data").glob("*.buffer")) == ["a.buffer",
+                                                                               "c.buffer"]
