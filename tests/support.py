@@ -10,6 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+import millpond
+
 READY_PREFIX = "serving on "
 
 
@@ -20,8 +24,10 @@ class ServerProcess:
     ``start`` waits for that line (with a deadline), never for a fixed time.
     """
 
-    def __init__(self, data_dir: Path, *extra_args: str, env: dict | None = None):
+    def __init__(self, data_dir: Path, *extra_args: str, env: dict | None = None,
+                 cgroup: "MemoryCgroup | None" = None):
         self.data_dir = Path(data_dir)
+        self.cgroup = cgroup  # the daemon runs inside it
         self.args = [
             sys.executable, "-m", "millpond_server", "serve",
             "--host", "127.0.0.1", "--port", "0", "--data-dir", str(self.data_dir),
@@ -33,7 +39,8 @@ class ServerProcess:
 
     def start(self, timeout: float = 30.0) -> "ServerProcess":
         self.proc = subprocess.Popen(
-            self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env
+            self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
+            preexec_fn=None if self.cgroup is None else self.cgroup.enter,
         )
         self.address = wait_for_ready(self.proc, timeout)
         return self
@@ -105,3 +112,113 @@ def engine(schema, hot: int, total: int, path=None, *, persistent: bool = False,
 
     config = BufferConfig.build(hot_capacity=hot, total_capacity=total, fields=schema, **sampling)
     return TieredBuffer(config, path, persistent=persistent, sync_every_push=sync_every_push)
+
+
+class MemoryCgroup:
+    """A child memory cgroup of this process's own, with a limit (cgroup v1 or v2).
+
+    ``enter`` (a ``preexec_fn``) moves the calling process into it. Creating one
+    needs root (CI runs as root); :meth:`create` says why when it cannot.
+    """
+
+    def __init__(self, path: Path, v2: bool):
+        self.path, self.v2 = path, v2
+
+    @classmethod
+    def create(cls, limit_bytes: int) -> "MemoryCgroup":
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, own = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                base, v2 = Path("/sys/fs/cgroup/memory" + own), False
+                break
+        else:
+            base, v2 = Path("/sys/fs/cgroup" + own_v2()), True
+        path = base / f"millpond-test-{os.getpid()}-{time.monotonic_ns()}"
+        path.mkdir()  # PermissionError / FileNotFoundError: no cgroup for us here
+        group = cls(path, v2)
+        group.write("memory.max" if v2 else "memory.limit_in_bytes", str(limit_bytes))
+        if not v2:  # no swap either: over the limit is reclaim or the OOM killer
+            try:
+                group.write("memory.memsw.limit_in_bytes", str(limit_bytes))
+            except OSError:
+                pass
+        return group
+
+    def write(self, name: str, value: str) -> None:
+        (self.path / name).write_text(value)
+
+    def read(self, name: str) -> str:
+        return (self.path / name).read_text()
+
+    def enter(self) -> None:
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def oom_kills(self) -> int:
+        if self.v2:
+            stat = self.read("memory.events")
+            key = "oom_kill "
+        else:
+            stat, key = self.read("memory.oom_control"), "oom_kill "
+        return next((int(line.split()[1]) for line in stat.splitlines() if line.startswith(key)), 0)
+
+    def peak(self) -> int:
+        name = "memory.peak" if self.v2 else "memory.max_usage_in_bytes"
+        try:
+            return int(self.read(name))
+        except OSError:
+            return 0
+
+    def remove(self) -> None:
+        for _ in range(50):  # processes may take a moment to leave
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def own_v2() -> str:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    raise FileNotFoundError("no cgroup v2 hierarchy")
+
+
+# ---- the same calls on every transport (contract suites) ------------------------------------
+
+def outcome(call):
+    """What a call did: ("ok", comparable value) or ("error", exception type)."""
+    try:
+        value = call()
+    except millpond.ReplayError as exc:
+        return ("error", type(exc).__name__)
+    return ("ok", comparable(value))
+
+
+def comparable(value):
+    """``value`` with every array as (dtype, nested lists), in dicts and lists too."""
+    if isinstance(value, dict):
+        return {k: comparable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [comparable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return (value.dtype.str, value.tolist())
+    return value
+
+
+def state(buf) -> dict:
+    """What a user can observe of a buffer, less timings and names."""
+    info = dict(buf.info())
+    for key in ("name", "path", "insert_wait_seconds", "sample_wait_seconds", "memory_needed"):
+        info.pop(key)
+    return info
+
+
+def run_everywhere(bufs: dict, calls: list) -> None:
+    """Run each call on every transport; assert the same outcomes and the same state."""
+    for step, call in enumerate(calls):
+        results = {transport: outcome(lambda b=buf, c=call: c(b)) for transport, buf in bufs.items()}
+        assert results["grpc"] == results["local"], (step, results)
+        assert results["shm"] == results["local"], (step, results)
+    states = {transport: state(buf) for transport, buf in bufs.items()}
+    assert states["grpc"] == states["local"] and states["shm"] == states["local"], states

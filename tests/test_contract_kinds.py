@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import millpond
+from support import run_everywhere
 
 FIELDS = {"id": ("int64", ()), "obs": ("float32", (3,))}
 KINDS = {
@@ -72,35 +73,6 @@ def three(request, tmp_path):
     yield factory
     for buf in made:
         buf.close()
-
-
-def outcome(call):
-    """What a call did: ("ok", comparable value) or ("error", exception type)."""
-    try:
-        value = call()
-    except millpond.ReplayError as exc:
-        return ("error", type(exc).__name__)
-    if isinstance(value, dict):
-        return ("ok", {k: (np.asarray(v).dtype.str, np.asarray(v).tolist()) for k, v in value.items()})
-    return ("ok", value)
-
-
-def state(buf) -> dict:
-    """What a user can observe of a buffer, less timings and names."""
-    info = dict(buf.info())
-    for key in ("name", "path", "insert_wait_seconds", "sample_wait_seconds"):
-        info.pop(key)
-    return info
-
-
-def run_everywhere(bufs: dict, calls: list) -> None:
-    """Run each call on every transport; assert the same outcomes and the same state."""
-    for step, call in enumerate(calls):
-        results = {transport: outcome(lambda b=buf, c=call: c(b)) for transport, buf in bufs.items()}
-        assert results["grpc"] == results["local"], (step, results)
-        assert results["shm"] == results["local"], (step, results)
-    states = {transport: state(buf) for transport, buf in bufs.items()}
-    assert states["grpc"] == states["local"] and states["shm"] == states["local"], states
 
 
 def common_calls(kind: str) -> list:

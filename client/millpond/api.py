@@ -3,7 +3,9 @@
 ``ReplayBuffer`` and ``MmapReplayBuffer`` take the reference constructor
 arguments (``PrioritizedReplayBuffer`` adds ``alpha`` and ``beta``). Without
 ``address`` they run the engine in-process; with ``address="host:port"`` and
-``name=...`` the same object talks to a millpond server. Either way the
+``name=...`` the same object talks to a millpond server (a list of addresses,
+or ``"dns:///NAME:PORT"``: one buffer over several servers, see
+:mod:`millpond.sharded`). Either way the
 methods, results and exceptions are the same (see :mod:`millpond.handle`).
 
 This module only turns constructor arguments into a
@@ -13,7 +15,7 @@ This module only turns constructor arguments into a
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .client import connect
 from .core import BufferConfig, Schema, TieredBuffer
@@ -22,7 +24,7 @@ from .errors import ConfigMismatchError, InvalidConfigError
 from .handle import Buffer, PrioritizedBuffer
 
 
-def _backend(config: BufferConfig, address: str | None, name: str | None,
+def _backend(config: BufferConfig, address: str | Sequence[str] | None, name: str | None,
              path: str | os.PathLike | None = None, persistent: bool = False,
              token: str | None = None) -> Any:
     """The engine in-process, or the server's buffer ``name`` at ``address``
@@ -59,6 +61,12 @@ class ReplayBuffer(Buffer):
       error_buffer)``: pushes and samples wait (up to their ``timeout``)
       while they would break it. ``info()`` reports inserts, samples, waits,
       time waited and the current samples per insert.
+    * ``episodes=True`` (with optional ``meta_fields={name: (dtype, shape)}``,
+      values per episode): records belong to episodes (pushes continue the
+      thread's current episode; ``terminated``/``truncated`` end it;
+      ``one_episode``, ``store``, ``end_episode``, ``episode_writer``), and
+      ``sample_sequences``, ``sample_episodes``, ``sample(n_step=)``,
+      ``filter_meta=`` and ``dataloader`` read them.
     """
 
     def __init__(
@@ -68,16 +76,19 @@ class ReplayBuffer(Buffer):
         act_dim: int | None = None,
         *,
         fields: Mapping[str, Any] | None = None,
-        address: str | None = None,
+        address: str | Sequence[str] | None = None,
         name: str | None = None,
         mode: str = "replay",
         max_times_sampled: int | None = None,
         rate_limiter: RateLimiter | None = None,
         token: str | None = None,
+        episodes: bool = False,
+        meta_fields: Mapping[str, Any] | None = None,
     ):
         config = BufferConfig.build(
             capacity=capacity, obs_dim=obs_dim, act_dim=act_dim, fields=fields, mode=mode,
-            max_times_sampled=max_times_sampled, rate_limiter=rate_limiter)
+            max_times_sampled=max_times_sampled, rate_limiter=rate_limiter, episodes=episodes,
+            meta_fields=meta_fields)
         super().__init__(_backend(config, address, name, token=token))
 
 
@@ -100,18 +111,20 @@ class MmapReplayBuffer(Buffer):
         cold_path: str | os.PathLike | None = None,
         *,
         fields: Mapping[str, Any] | None = None,
-        address: str | None = None,
+        address: str | Sequence[str] | None = None,
         name: str | None = None,
         persistent: bool = False,
         mode: str = "replay",
         max_times_sampled: int | None = None,
         rate_limiter: RateLimiter | None = None,
         token: str | None = None,
+        episodes: bool = False,
+        meta_fields: Mapping[str, Any] | None = None,
     ):
         config = BufferConfig.build(
             hot_capacity=hot_capacity, total_capacity=total_capacity, obs_dim=obs_dim,
             act_dim=act_dim, fields=fields, mode=mode, max_times_sampled=max_times_sampled,
-            rate_limiter=rate_limiter)
+            rate_limiter=rate_limiter, episodes=episodes, meta_fields=meta_fields)
         super().__init__(_backend(config, address, name, cold_path, persistent, token))
 
     @classmethod
@@ -174,14 +187,17 @@ class PrioritizedReplayBuffer(PrioritizedBuffer):
         total_capacity: int | None = None,
         cold_path: str | os.PathLike | None = None,
         fields: Mapping[str, Any] | None = None,
-        address: str | None = None,
+        address: str | Sequence[str] | None = None,
         name: str | None = None,
         max_times_sampled: int | None = None,
         rate_limiter: RateLimiter | None = None,
         token: str | None = None,
+        episodes: bool = False,
+        meta_fields: Mapping[str, Any] | None = None,
     ):
         config = BufferConfig.build(
             capacity=capacity, hot_capacity=hot_capacity, total_capacity=total_capacity,
             obs_dim=obs_dim, act_dim=act_dim, fields=fields, prioritized=True, alpha=alpha,
-            beta=beta, max_times_sampled=max_times_sampled, rate_limiter=rate_limiter)
+            beta=beta, max_times_sampled=max_times_sampled, rate_limiter=rate_limiter,
+            episodes=episodes, meta_fields=meta_fields)
         super().__init__(_backend(config, address, name, cold_path, token=token))

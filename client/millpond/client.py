@@ -24,18 +24,20 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .core.checks import is_real
 from .core.config import BufferConfig
 from .core.info import BufferInfo
-from .core.ratelimit import RateLimiter
-from .core.schema import Schema
 from .errors import InvalidConfigError
 from .handle import Buffer, handle_for
+from .making import BufferMaker
 from .remote import RemoteBuffer
 from .security import Credentials
 from .transport import Connection
+
+if TYPE_CHECKING:
+    from .sharded import ShardedClient
 
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_MESSAGE_MB = 512
@@ -48,7 +50,7 @@ _INHERITED: list = []
 
 
 def connect(
-    address: str,
+    address: str | Sequence[str],
     *,
     timeout: float = DEFAULT_TIMEOUT,
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
@@ -60,8 +62,13 @@ def connect(
     tls_ca: str | os.PathLike | None = None,
     tls_cert: str | os.PathLike | None = None,
     tls_key: str | os.PathLike | None = None,
-) -> "Client":
+) -> "Client | ShardedClient":
     """A client for the server at ``address`` ("host:port"). Connects lazily.
+
+    A list of addresses, or ``"dns:///NAME:PORT"`` (every address NAME
+    resolves to, e.g. a Kubernetes headless Service), gives a
+    :class:`~millpond.sharded.ShardedClient`: the servers act as one buffer
+    (see :mod:`millpond.sharded`), each with these settings.
 
     ``timeout``: the deadline of every call, in seconds. A push or sample
     may also wait for the buffer's rate limiter: up to its own ``timeout=``
@@ -87,12 +94,18 @@ def connect(
     AuthenticationError; a token whose role may not do a call,
     PermissionDeniedError.
     """
-    return Client(address, timeout=timeout, max_message_mb=max_message_mb, shm=shm,
-                  push_batch_size=push_batch_size, push_max_delay=push_max_delay, token=token,
-                  tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+    settings: dict[str, Any] = dict(
+        timeout=timeout, max_message_mb=max_message_mb, shm=shm, push_batch_size=push_batch_size,
+        push_max_delay=push_max_delay, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
+        tls_key=tls_key)
+    if not isinstance(address, str) or address.startswith("dns:///"):
+        from .sharded import ShardedClient
+
+        return ShardedClient(address, Client, **settings)
+    return Client(address, **settings)
 
 
-class Client:
+class Client(BufferMaker):
     """A connection to one millpond server; see :func:`connect`."""
 
     def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT,
@@ -181,45 +194,6 @@ class Client:
         ]
 
     # ---- buffers --------------------------------------------------------------
-
-    def create_buffer(
-        self,
-        name: str,
-        capacity: int | None = None,
-        obs_dim: int | None = None,
-        act_dim: int | None = None,
-        *,
-        hot_capacity: int | None = None,
-        total_capacity: int | None = None,
-        fields: Mapping[str, Any] | Schema | None = None,
-        prioritized: bool = False,
-        alpha: float = 0.6,
-        beta: float = 0.4,
-        mode: str = "replay",
-        max_times_sampled: int | None = None,
-        rate_limiter: RateLimiter | None = None,
-    ) -> Buffer:
-        """Create the buffer ``name``, or attach to it if it exists with this config.
-
-        Arguments are those of the in-process classes (see
-        :meth:`millpond.BufferConfig.build`): ``capacity`` (RAM only, like
-        ``ReplayBuffer``) or ``hot_capacity`` + ``total_capacity`` (like
-        ``MmapReplayBuffer``), and ``obs_dim``/``act_dim`` or ``fields``.
-        ``prioritized=True`` makes a proportional prioritized buffer with
-        ``alpha`` and ``beta`` (see :class:`millpond.PrioritizedReplayBuffer`).
-        ``mode``, ``max_times_sampled`` and ``rate_limiter``: see
-        :class:`millpond.ReplayBuffer`. An existing buffer with another config
-        raises ConfigMismatchError.
-
-        The handle's ``close()`` deletes the buffer if this call created it;
-        if it attached, ``close()`` only releases the handle.
-        """
-        config = BufferConfig.build(
-            capacity=capacity, hot_capacity=hot_capacity, total_capacity=total_capacity,
-            obs_dim=obs_dim, act_dim=act_dim, fields=fields, mode=mode,
-            max_times_sampled=max_times_sampled, rate_limiter=rate_limiter,
-            prioritized=prioritized, alpha=alpha, beta=beta)
-        return handle_for(self.remote_buffer(name, config))
 
     def remote_buffer(self, name: str, config: BufferConfig) -> RemoteBuffer:
         """Create ``name`` with ``config`` (or attach to it): the backend of a handle."""

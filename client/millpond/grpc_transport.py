@@ -30,7 +30,16 @@ from .errors import DeadlineExceededError, MessageTooLargeError, ServerStartingE
 from .v1 import replay_pb2 as pb
 from .v1 import replay_pb2_grpc as pb_grpc
 from .wire.codec import config_to_proto, info_from_proto
-from .wire.frames import PUSH_BATCH_FIELD, SAMPLE_BATCH_FIELD, decode_batch_field, encode_with_batch
+from .wire.episodic import encode_meta, encode_updates
+from .wire.frames import (
+    PUSH_BATCH_FIELD,
+    PUSH_UPDATES_FIELD,
+    SAMPLE_BATCH_FIELD,
+    decode_batch_field,
+    encode_messages,
+    encode_with_batch,
+)
+from .wire.inplace import sole_writable
 from .wire.status import error_from_rpc
 
 # Protobuf framing per column (name, dtype, shape, length prefixes) is tiny;
@@ -61,6 +70,12 @@ class GrpcTransport:
             request_serializer=pb.SampleRequest.SerializeToString,
             response_deserializer=None,  # parsed by frames.decode_batch_field
         )
+        # Episodic calls whose replies are framed like a SampleReply, parsed the same way.
+        self._bytes = {name: channel.unary_unary(
+            f"/millpond.v1.Replay/{name}",
+            request_serializer=lambda message: message.SerializeToString(),
+            response_deserializer=None)
+            for name in ("SampleSequences", "SampleEpisodes", "EpisodeCatalog", "Read")}
 
     def invoke(self, method: Callable, request: Any, deadline: float) -> Any:
         """``method(request)`` within ``deadline`` seconds, once the server is ready."""
@@ -101,7 +116,8 @@ class GrpcTransport:
     # ---- bulk ---------------------------------------------------------------------
 
     def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
-                   priorities: np.ndarray | None, timeout: float, deadline: float) -> None:
+                   priorities: np.ndarray | None, timeout: float, deadline: float,
+                   updates: list | None = None) -> None:
         nbytes = n * schema.record_nbytes + FRAMING_BYTES
         if nbytes > self.max_message_bytes:
             raise MessageTooLargeError(
@@ -109,16 +125,71 @@ class GrpcTransport:
                 f"limit of {self.max_message_bytes:,} bytes (max_message_mb); split it into "
                 "smaller batches")
         request = encode_with_batch(PUSH_BATCH_FIELD, columns, buffer, priorities, timeout)
+        if updates:  # episode meta and ends, applied with the records
+            request += encode_messages(PUSH_UPDATES_FIELD, [
+                u.SerializeToString() for u in encode_updates(buffer, updates).updates])
         self.invoke(self._push_batch, request, deadline)
 
     def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
-               extras: bool, timeout: float, deadline: float) -> dict[str, np.ndarray]:
-        request = pb.SampleRequest(name=buffer, batch_size=batch_size, seed=seed, timeout=timeout)
-        reply = self.invoke(self._sample, request, deadline)
-        # The decoded arrays view the immutable reply bytes; copy once so the
-        # caller may modify them in place, as with in-process results.
-        columns = decode_batch_field(reply, SAMPLE_BATCH_FIELD)
-        return {name: np.array(column) for name, column in columns.items()}
+               extras: bool, timeout: float, deadline: float,
+               filter_meta: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        request = pb.SampleRequest(name=buffer, batch_size=batch_size, seed=seed, timeout=timeout,
+                                   filter_meta=encode_meta(filter_meta))
+        return self._columns(self.invoke(self._sample, request, deadline))
+
+    def _columns(self, reply: bytes) -> dict[str, np.ndarray]:
+        """The arrays of a reply framed like a SampleReply."""
+        # The caller may modify the arrays in place, as with in-process results.
+        # The reply is new and ours alone (checked): its columns are writable
+        # views of it, the aligned ones kept as they are; anything else, and
+        # every column of a reply someone else might see, is copied out once.
+        whole = sole_writable(reply)
+        columns = decode_batch_field(reply if whole is None else whole.data,
+                                     SAMPLE_BATCH_FIELD)
+        return {name: column if whole is not None and column.flags.aligned else np.array(column)
+                for name, column in columns.items()}
+
+    # ---- episodic buffers -----------------------------------------------------------
+
+    def sample_n_step(self, buffer: str, config: BufferConfig, batch_size: int,
+                      filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
+                      timeout: float, deadline: float) -> dict[str, np.ndarray]:
+        request = pb.SampleRequest(name=buffer, batch_size=batch_size, seed=params["seed"],
+                                   timeout=timeout, filter_meta=encode_meta(filter_meta),
+                                   n_step=params["n_step"], gamma=params["gamma"])
+        return self._columns(self.invoke(self._sample, request, deadline))
+
+    def sample_sequences(self, buffer: str, config: BufferConfig, batch_size: int,
+                         filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
+                         timeout: float, deadline: float) -> dict[str, np.ndarray]:
+        request = pb.SampleSequencesRequest(
+            name=buffer, batch_size=batch_size, seq_len=params["seq_len"], seed=params["seed"],
+            timeout=timeout, filter_meta=encode_meta(filter_meta))
+        return self._columns(self.invoke(self._bytes["SampleSequences"], request, deadline))
+
+    def sample_episodes(self, buffer: str, config: BufferConfig, batch_size: int,
+                        filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
+                        timeout: float, deadline: float) -> dict[str, np.ndarray]:
+        request = pb.SampleEpisodesRequest(
+            name=buffer, batch_size=batch_size, seed=params["seed"], max_len=params["max_len"],
+            timeout=timeout, filter_meta=encode_meta(filter_meta))
+        return self._columns(self.invoke(self._bytes["SampleEpisodes"], request, deadline))
+
+    def episode_catalog(self, buffer: str, config: BufferConfig,
+                        filter_meta: dict[str, np.ndarray] | None,
+                        deadline: float) -> dict[str, np.ndarray]:
+        request = pb.EpisodeCatalogRequest(name=buffer, filter_meta=encode_meta(filter_meta))
+        return self._columns(self.invoke(self._bytes["EpisodeCatalog"], request, deadline))
+
+    def read(self, buffer: str, config: BufferConfig, seqs: np.ndarray, names: list[str] | None,
+             deadline: float) -> dict[str, np.ndarray]:
+        request = pb.ReadRequest(name=buffer, seqs=seqs.tolist(), fields=names or [])
+        return self._columns(self.invoke(self._bytes["Read"], request, deadline))
+
+    def update_episodes(self, buffer: str, config: BufferConfig,
+                        updates: list[tuple[int, dict[str, np.ndarray], bool]],
+                        deadline: float) -> None:
+        self.invoke(self.stub.UpdateEpisodes, encode_updates(buffer, updates), deadline)
 
     def update_priorities(self, buffer: str, indices: np.ndarray, priorities: np.ndarray,
                           deadline: float) -> int:

@@ -9,12 +9,13 @@ have the same methods, results and exceptions.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from .core.config import BufferConfig, ConfiguredBuffer
 from .core.info import BufferInfo
+from .episodic_handle import EpisodeMethods
 from .errors import FieldMismatchError
 from .sampler import Sampler
 
@@ -31,12 +32,17 @@ _ALIASES = {
 }
 
 
-class Buffer(ConfiguredBuffer):
+class Buffer(EpisodeMethods, ConfiguredBuffer):
     """A replay buffer handle; see :class:`millpond.ReplayBuffer` for the methods."""
 
     def __init__(self, backend: Any):
         self._backend = backend
         self.config: BufferConfig = backend.config  # fixed at creation
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_episode_local", None)  # per-thread episodes stay with this process
+        return state
 
     def __len__(self) -> int:
         return len(self._backend)
@@ -49,9 +55,11 @@ class Buffer(ConfiguredBuffer):
 
         Transition buffers: ``push(obs, action, reward, terminated, truncated,
         next_obs)``; schema buffers: ``push(**{field: value})``. ``timeout``:
-        see :meth:`push_batch`.
+        see :meth:`push_batch`. On an episodic buffer the record continues
+        this thread's current episode, and ends it if its ``terminated`` or
+        ``truncated`` is true.
         """
-        self._backend.push(self._bind(_PUSH_ORDER, args, kwargs), timeout=timeout)
+        self._push_one(self._bind(_PUSH_ORDER, args, kwargs), None, timeout)
 
     def push_batch(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> None:
         """Append many records at once, validated as a whole before storing.
@@ -62,12 +70,15 @@ class Buffer(ConfiguredBuffer):
         Schema buffers: ``push_batch(**{field: array[n, *shape]})``.
         With a rate limiter the push waits up to ``timeout`` seconds while it
         would break it (in-process None waits without limit; remote None is the
-        client's call timeout), then raises RateLimitTimeoutError.
+        client's call timeout), then raises RateLimitTimeoutError. On an
+        episodic buffer the records continue this thread's episodes, like
+        pushes one by one.
         """
-        self._backend.push_batch(self._bind(_PUSH_BATCH_ORDER, args, kwargs), timeout=timeout)
+        self._push_many(self._bind(_PUSH_BATCH_ORDER, args, kwargs), None, timeout)
 
-    def sample(self, batch_size: int, seed: int | None = None, *,
-               timeout: float | None = None) -> dict[str, np.ndarray]:
+    def sample(self, batch_size: int, seed: int | None = None, *, timeout: float | None = None,
+               n_step: int | None = None, gamma: float = 0.99,
+               filter_meta: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
         """Draw ``batch_size`` records from hot + cold storage.
 
         Returns ``{field: array[batch_size, *shape]}`` (for transitions: ``obs``,
@@ -76,7 +87,20 @@ class Buffer(ConfiguredBuffer):
         replay mode; the oldest (queue) or newest (stack) records, removed,
         otherwise. With a rate limiter it waits up to ``timeout`` seconds
         (see :meth:`push_batch`), then raises RateLimitTimeoutError.
+
+        Episodic buffers: ``filter_meta={name: value}`` draws only records of
+        episodes with those meta values. ``n_step=N`` (transition schema)
+        returns n-step transitions: ``obs``/``actions`` of step t,
+        ``rewards`` = sum of ``gamma**k * r[t+k]`` for k < ``n_step_lens`` =
+        min(N, steps stored from t on), and ``next_obs``/``terminated``/
+        ``truncated`` of step t + n_step_lens - 1.
         """
+        if n_step is not None:
+            return self._backend.sample_n_step(batch_size, n_step, gamma, seed,
+                                               filter_meta=filter_meta, timeout=timeout)
+        if filter_meta:
+            return self._backend.sample(batch_size, seed, timeout=timeout,
+                                        filter_meta=filter_meta)
         return self._backend.sample(batch_size, seed, timeout=timeout)
 
     def flush(self) -> None:
@@ -169,13 +193,12 @@ class PrioritizedBuffer(Buffer):
     def push(self, *args: Any, priority: float | None = None, timeout: float | None = None,
              **kwargs: Any) -> None:
         """``push(obs, action, reward, terminated, truncated, next_obs, priority=None)``."""
-        self._backend.push(self._bind(_PUSH_ORDER, args, kwargs), priority, timeout=timeout)
+        self._push_one(self._bind(_PUSH_ORDER, args, kwargs), priority, timeout)
 
     def push_batch(self, *args: Any, priorities: Any = None, timeout: float | None = None,
                    **kwargs: Any) -> None:
         """Like :meth:`Buffer.push_batch`, with one priority per record (optional)."""
-        self._backend.push_batch(self._bind(_PUSH_BATCH_ORDER, args, kwargs), priorities,
-                                 timeout=timeout)
+        self._push_many(self._bind(_PUSH_BATCH_ORDER, args, kwargs), priorities, timeout)
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """New priorities for sampled ``indices``; returns how many were still live."""

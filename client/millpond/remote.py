@@ -18,12 +18,23 @@ import numpy as np
 from .batching import PushBatcher
 from .core.checks import (
     check_batch_size,
+    check_count,
     check_indices,
     check_priorities,
     check_seed,
     check_timeout,
 )
 from .core.config import BufferConfig, ConfiguredBuffer, check_exponent
+from .core.episodes import EPISODE_COLUMN, with_episode_column
+from .core.episodic import (
+    MAX_WINDOW,
+    check_fields,
+    check_filter,
+    check_n_step,
+    check_push_episodes,
+    check_updates,
+    require_episodes,
+)
 from .core.info import BufferInfo
 from .errors import BufferClosedError, BufferNotFoundError, InvalidArgumentError
 from .grpc_transport import FRAMING_BYTES
@@ -55,6 +66,8 @@ class RemoteBuffer(ConfiguredBuffer):
         self._may_wait = config.rate_limiter is not None  # (queues and stacks have one)
         self._closed = False
         self._batcher: PushBatcher | None = None
+        # Pushes of an episodic buffer carry each record's episode id in one more column.
+        self._push_schema = with_episode_column(config.schema) if config.episodes else config.schema
 
     def __reduce__(self):  # pending records stay with this handle, never in a pickle
         return (RemoteBuffer, (self._client, self.name, self.config))
@@ -74,35 +87,43 @@ class RemoteBuffer(ConfiguredBuffer):
     # ---- writes ---------------------------------------------------------------
 
     def push(self, record: Mapping[str, Any], priority: float | None = None, *,
+             episode: int | None = None, updates: Any = None,
              timeout: float | None = None) -> None:
         """Queue one record for the next batch (validated now); see the class docstring.
 
-        A record with an explicit ``priority`` (prioritized buffers) or
-        ``timeout`` (rate-limited buffers) is sent at once, after what is queued.
+        A record with an explicit ``priority`` (prioritized buffers),
+        ``timeout`` (rate-limited buffers) or episode ``updates`` is sent at
+        once, after what is queued. ``episode``: its episode's id (episodic
+        buffers).
         """
         self._check_open()
         timeout = check_timeout(timeout)
+        ids = check_push_episodes(self.config, episode, 1)
+        checked = check_updates(self.config, updates) if updates else None
         limit = self._client.push_batch_size
-        if priority is not None or timeout is not None or limit <= 1:  # sent now
+        if priority is not None or timeout is not None or checked or limit <= 1:  # sent now
             self._check_priorities_allowed(priority)
             prios = None if priority is None else check_priorities([priority], 1)
             batch = self.schema.coerce_record(record)
             self.flush()
-            self._send(1, batch, prios, timeout)
+            self._send(1, batch, prios, timeout, ids, checked)
             return
         if self._batcher is None:
             fits = max(1, (self._client.max_message_bytes - FRAMING_BYTES)
-                       // self.schema.record_nbytes)
-            self._batcher = PushBatcher(self.schema, self._send_batch, min(limit, fits),
+                       // self._push_schema.record_nbytes)
+            self._batcher = PushBatcher(self._push_schema, self._send_batch, min(limit, fits),
                                         self._client.push_max_delay)
-        self._batcher.add(record)
+        self._batcher.add(record if ids is None else {**record, EPISODE_COLUMN: ids[0]})
 
     def push_batch(self, columns: Mapping[str, Any], priorities: Any = None, *,
+                   episodes: Any = None, updates: Any = None,
                    timeout: float | None = None) -> int:
         """Store a batch (validated locally first, after queued pushes); returns its length.
 
-        ``priorities``: one per record, for prioritized buffers. Over gRPC a
-        batch larger than the message limit is refused before sending
+        ``priorities``: one per record, for prioritized buffers. ``episodes``:
+        one id per record, and ``updates`` applied with them, for episodic
+        buffers (see the engine's ``push_batch``). Over gRPC a batch larger
+        than the message limit is refused before sending
         (:class:`MessageTooLargeError`); split it, nothing was stored.
         ``timeout``: seconds the push may wait for the buffer's rate limiter
         (None: the client's timeout).
@@ -110,10 +131,12 @@ class RemoteBuffer(ConfiguredBuffer):
         self._check_open()
         timeout = check_timeout(timeout)
         n, batch = self.schema.coerce_batch(columns)
+        ids = check_push_episodes(self.config, episodes, n)
+        checked = check_updates(self.config, updates) if updates else None
         self._check_priorities_allowed(priorities)
         prios = None if priorities is None else check_priorities(priorities, n)
         self.flush()
-        self._send(n, batch, prios, timeout)
+        self._send(n, batch, prios, timeout, ids, checked)
         return n
 
     def flush(self) -> None:
@@ -123,15 +146,28 @@ class RemoteBuffer(ConfiguredBuffer):
 
     def _send_batch(self, columns: dict[str, np.ndarray]) -> None:
         """The batcher's send (its columns are views it reuses: sending copies them)."""
-        self._send(len(next(iter(columns.values()))), columns, None, None)
+        ids = columns.pop(EPISODE_COLUMN, None)
+        self._send(len(next(iter(columns.values()))), columns, None, None, ids)
 
     def _send(self, n: int, batch: dict[str, np.ndarray], priorities: np.ndarray | None,
-              timeout: float | None) -> None:
+              timeout: float | None, episodes: np.ndarray | None = None,
+              updates: list | None = None) -> None:
         if priorities is not None and not len(priorities):
             priorities = None  # no priorities and an empty list are the same push
+        schema = self.schema
+        if episodes is not None:
+            batch, schema = {**batch, EPISODE_COLUMN: episodes}, self._push_schema
         wait, deadline = self._client.budget(timeout, self._may_wait)
-        self._client.connection.call("push_batch", self.name, self.schema, n, batch,
-                                     priorities, wait, deadline)
+        self._client.connection.call("push_batch", self.name, schema, n, batch,
+                                     priorities, wait, deadline, updates)
+
+    def update_episodes(self, updates: Any) -> None:
+        """Apply ``(episode id, meta, end)`` updates, after the pushes queued before."""
+        self._check_open()
+        checked = check_updates(self.config, updates)
+        self.flush()
+        self._client.connection.grpc.update_episodes(self.name, self.config, checked,
+                                                     self._client.timeout)
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """New priorities for sampled records; returns how many were still live."""
@@ -156,18 +192,80 @@ class RemoteBuffer(ConfiguredBuffer):
     # ---- reads ----------------------------------------------------------------
 
     def sample(self, batch_size: int, seed: int | None = None, *,
-               timeout: float | None = None) -> dict[str, np.ndarray]:
+               timeout: float | None = None, filter_meta: Mapping[str, Any] | None = None
+               ) -> dict[str, np.ndarray]:
         """Sample on the server; returns writable arrays like the in-process buffer.
 
-        ``timeout``: as for :meth:`push_batch`.
+        ``timeout``: as for :meth:`push_batch`. ``filter_meta``: episodic buffers.
         """
         self._check_open()
         batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+        wanted = check_filter(self.config, filter_meta)
         wait, deadline = self._client.budget(check_timeout(timeout), self._may_wait)
         self.flush()
         return self._client.connection.call(
             "sample", self.name, self.schema, batch_size, seed,
-            self.config.prioritized is not None, wait, deadline)
+            self.config.prioritized is not None, wait, deadline, wanted)
+
+    def sample_n_step(self, batch_size: int, n_step: int, gamma: float = 0.99,
+                      seed: int | None = None, *, filter_meta: Mapping[str, Any] | None = None,
+                      timeout: float | None = None) -> dict[str, np.ndarray]:
+        """n-step transitions, drawn on the server (see the engine's ``sample_n_step``)."""
+        self._check_open()
+        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+        n_step, gamma = check_n_step(self.config, n_step, gamma)
+        return self._episodic("sample_n_step", batch_size, timeout, filter_meta,
+                              n_step=n_step, gamma=gamma, seed=seed)
+
+    def sample_sequences(self, batch_size: int, seq_len: int, seed: int | None = None, *,
+                         filter_meta: Mapping[str, Any] | None = None,
+                         timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Windows of episodes, drawn on the server (see the engine's ``sample_sequences``)."""
+        self._check_open()
+        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+        seq_len = check_count("seq_len", seq_len, MAX_WINDOW)
+        return self._episodic("sample_sequences", batch_size, timeout, filter_meta,
+                              seq_len=seq_len, seed=seed)
+
+    def sample_episodes(self, batch_size: int, seed: int | None = None, *,
+                        max_len: int | None = None, filter_meta: Mapping[str, Any] | None = None,
+                        timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Complete episodes, drawn on the server. Over gRPC whatever the transport:
+        their size is known only once drawn."""
+        self._check_open()
+        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+        if max_len is not None:
+            max_len = check_count("max_len", max_len, MAX_WINDOW)
+        return self._episodic("sample_episodes", batch_size, timeout, filter_meta,
+                              max_len=max_len, seed=seed)
+
+    def _episodic(self, op: str, batch_size: int, timeout: float | None,
+                  filter_meta: Mapping[str, Any] | None, **params: Any) -> dict[str, np.ndarray]:
+        require_episodes(self.config)
+        wanted = check_filter(self.config, filter_meta)
+        wait, deadline = self._client.budget(check_timeout(timeout), self._may_wait)
+        self.flush()
+        connection = self._client.connection
+        call = connection.grpc_call if op == "sample_episodes" else connection.call
+        return call(op, self.name, self.config, batch_size, wanted, params, wait, deadline)
+
+    def episode_catalog(self, filter_meta: Mapping[str, Any] | None = None
+                        ) -> dict[str, np.ndarray]:
+        """The complete live episodes (see the engine's ``episode_catalog``), over gRPC."""
+        self._check_open()
+        require_episodes(self.config)
+        wanted = check_filter(self.config, filter_meta)
+        self.flush()
+        return self._client.connection.grpc_call("episode_catalog", self.name, self.config,
+                                                 wanted, self._client.timeout)
+
+    def read(self, seqs: Any, fields: Any = None) -> dict[str, np.ndarray]:
+        """Records by index, and ``live`` (see the engine's ``read``)."""
+        self._check_open()
+        wanted, names = check_indices(seqs, "seqs"), check_fields(self.config, fields)
+        self.flush()
+        return self._client.connection.call("read", self.name, self.config, wanted, names,
+                                            self._client.timeout)
 
     # ---- lifecycle ------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .core.config import BufferConfig
 from .core.schema import Schema
 from .errors import (
     AuthenticationError,
@@ -46,10 +47,23 @@ class Transport(Protocol):
     name: str
 
     def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
-                   priorities: np.ndarray | None, timeout: float, deadline: float) -> None: ...
+                   priorities: np.ndarray | None, timeout: float, deadline: float,
+                   updates: list | None = None) -> None: ...
 
     def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
-               extras: bool, timeout: float, deadline: float) -> dict[str, np.ndarray]: ...
+               extras: bool, timeout: float, deadline: float,
+               filter_meta: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]: ...
+
+    def sample_sequences(self, buffer: str, config: BufferConfig, batch_size: int,
+                         filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
+                         timeout: float, deadline: float) -> dict[str, np.ndarray]: ...
+
+    def sample_n_step(self, buffer: str, config: BufferConfig, batch_size: int,
+                      filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
+                      timeout: float, deadline: float) -> dict[str, np.ndarray]: ...
+
+    def read(self, buffer: str, config: BufferConfig, seqs: np.ndarray, names: list[str] | None,
+             deadline: float) -> dict[str, np.ndarray]: ...
 
     def update_priorities(self, buffer: str, indices: np.ndarray, priorities: np.ndarray,
                           deadline: float) -> int: ...
@@ -117,6 +131,11 @@ class Connection:
                 return result
             except (SharedMemoryError, ResultPoolExhausted) as exc:
                 log.info("%s over gRPC this time: %s", op, exc)
+        return self.grpc_call(op, *args)
+
+    def grpc_call(self, op: str, *args: Any) -> Any:
+        """Run call ``op`` over gRPC, whatever the transport: for calls whose results
+        have sizes known only once made (sample_episodes, episode_catalog)."""
         result = getattr(self.grpc, op)(*args)
         self.calls["grpc", op] += 1
         return result

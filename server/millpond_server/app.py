@@ -21,6 +21,8 @@ from .auth import load_auth, server_credentials
 from .config import ServeConfig
 from .shm_listener import FastPathServer
 from .fatal import fatal_storage_error
+from .metrics import start_metrics
+from .observe import ObservingInterceptor
 from .operations import Operations
 from .registry import Registry
 from .service import SERVICE_NAME, ReplayService, add_to_server
@@ -96,8 +98,12 @@ async def serve(cfg: ServeConfig) -> int:
                      max_waiting_bytes=cfg.max_waiting_mb << 20)
     ops.start(asyncio.get_running_loop())
     fastpath, off_reason = start_fastpath(cfg, ops)
+    metrics = start_metrics(cfg, registry, ops, fastpath)  # --metrics-port; serving from now
+    observe = metrics is not None or cfg.log_format == "json" or cfg.log_level == "DEBUG"
     server = grpc.aio.server(options=grpc_options(cfg),
-                             maximum_concurrent_rpcs=cfg.max_concurrent_calls)
+                             maximum_concurrent_rpcs=cfg.max_concurrent_calls,
+                             interceptors=[ObservingInterceptor(
+                                 None if metrics is None else metrics.call)] if observe else None)
     service = ReplayService(ops, cfg.max_message_mb, fastpath, off_reason)
     add_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
@@ -155,6 +161,8 @@ async def serve(cfg: ServeConfig) -> int:
             syncer.stop()
         if fastpath is not None:
             fastpath.stop()
+        if metrics is not None:
+            metrics.stop()
         registry.release_all()
         log.info("buffers synced and released")
 

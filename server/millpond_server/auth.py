@@ -8,7 +8,8 @@ which stands for ``admin`` unless the call also carries a token. Without any
 of these configured, auth is off and every call may do everything.
 
 Roles (:data:`METHOD_ROLES`): ``admin`` everything; ``actor`` pushes;
-``learner`` samples, updates priorities and sets beta; ``read`` only
+``learner`` samples (records, sequences, episodes), reads records, updates
+priorities and sets beta; an actor also ends its episodes; ``read`` only
 ``Info`` and ``List``. Every role may ``Negotiate``, and ``Create`` when it
 only attaches to an existing buffer of the same config (the operations layer
 enforces that under the registry's lock); creating a new buffer and ``Close``
@@ -58,6 +59,11 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "Sample": frozenset({ADMIN, LEARNER}),
     "UpdatePriorities": frozenset({ADMIN, LEARNER}),
     "SetBeta": frozenset({ADMIN, LEARNER}),
+    "UpdateEpisodes": frozenset({ADMIN, ACTOR}),  # writers end their episodes, give meta
+    "SampleSequences": frozenset({ADMIN, LEARNER}),
+    "SampleEpisodes": frozenset({ADMIN, LEARNER}),
+    "EpisodeCatalog": frozenset({ADMIN, LEARNER}),
+    "Read": frozenset({ADMIN, LEARNER}),
     "Info": _ALL,
     "List": _ALL,
     "Negotiate": _ALL,
@@ -69,8 +75,11 @@ FASTPATH_OPS: dict[str, tuple[str, ...]] = {
     "sample": ("Sample",),
     "update_priorities": ("UpdatePriorities",),
     "set_beta": ("SetBeta",),
-    "push_segment": ("PushBatch", "UpdatePriorities"),
-    "result_segment": ("Sample",),
+    "sample_sequences": ("SampleSequences",),
+    "sample_n_step": ("Sample",),
+    "read": ("Read",),
+    "push_segment": ("PushBatch", "UpdatePriorities", "Read"),
+    "result_segment": ("Sample", "SampleSequences", "Read"),
     "release": (),
 }
 _OP_ROLES = {op: frozenset().union(*(METHOD_ROLES[rpc] for rpc in rpcs)) if rpcs else _ALL

@@ -84,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"millpond serve: {exc}", file=sys.stderr)
         return 2
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level, cfg.log_format)
     try:
         return run(cfg)
     except (InvalidConfigError, ConfigError) as exc:  # e.g. unsafe or bad auth/TLS settings

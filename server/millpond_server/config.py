@@ -63,6 +63,13 @@ def _log_level(text: str) -> str:
     return level
 
 
+def _log_format(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("text", "json"):
+        raise ValueError(f"must be text or json, got {text!r}")
+    return value
+
+
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -122,6 +129,11 @@ SERVE_OPTIONS = (
     Option("grace", _non_negative_float, 10.0, "seconds in-flight calls get on SIGTERM/SIGINT"),
     Option("workers", _positive_int, None, "engine thread pool size (default 4-8 by CPU)"),
     Option("log_level", _log_level, "WARNING", "debug, info, warning (default), error"),
+    Option("log_format", _log_format, "text",
+           "text (key=value lines) or json (one object per line, with buffer, method, peer)"),
+    Option("metrics_port", _port, None,
+           "serve Prometheus metrics over HTTP on this port, on --host (0: any free port; "
+           "needs prometheus-client)"),
     Option("sync", _sync_policy, "interval",
            "when buffer files reach the disk: none, interval (every --sync-interval s), always"),
     Option("sync_interval", _positive_float, 1.0, "seconds between syncs with --sync interval"),
@@ -163,6 +175,8 @@ class ServeConfig:
     grace: float = 10.0
     workers: int = field(default_factory=_default_workers)
     log_level: str = "WARNING"
+    log_format: str = "text"
+    metrics_port: int | None = None
     sync: str = "interval"
     sync_interval: float = 1.0
     recover: str = "fail"
@@ -225,6 +239,13 @@ def resolve_serve_config(args: argparse.Namespace, environ=os.environ) -> ServeC
             f"--max-waiting-calls ({cfg.max_waiting_calls}) must be below --max-concurrent-calls "
             f"({cfg.max_concurrent_calls}): calls waiting for rate limiters would take every "
             "call slot, and the pushes that would let them proceed could not get in")
+    if cfg.metrics_port is not None:
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError:
+            raise ConfigError("--metrics-port needs the prometheus-client package: "
+                              "pip install 'millpond[metrics]' (or pip install prometheus-client)"
+                              ) from None
     if cfg.config is not None:
         cfg.buffers = load_buffers(cfg.config)
     return cfg

@@ -21,8 +21,10 @@ Optional per buffer, as in the client's ``create_buffer``: ``mode = "queue"``
 beta = 0.4 }``, and ``rate_limiter = { samples_per_insert = 4.0,
 min_size_to_sample = 1000, error_buffer = 100 }`` (``error_buffer`` may be
 ``[min_diff, max_diff]``; without ``samples_per_insert`` it is
-``MinSize(min_size_to_sample)``). Every mistake is a :class:`ConfigError`
-naming the file and the table, never a traceback.
+``MinSize(min_size_to_sample)``), ``episodes = true`` with optional
+``[buffers.meta_fields]`` (``task_id = { dtype = "int64" }``, as fields).
+Every mistake is a :class:`ConfigError` naming the file and the table,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class BufferSpec:
 
 
 _BUFFER_KEYS = {"name", "hot_capacity", "total_capacity", "capacity", "obs_dim", "act_dim", "fields",
-                "mode", "max_times_sampled", "prioritized", "rate_limiter"}
+                "mode", "max_times_sampled", "prioritized", "rate_limiter", "episodes",
+                "meta_fields"}
 
 
 def load_buffers(path: Path) -> list[BufferSpec]:
@@ -102,7 +105,10 @@ def _buffer_spec(table: dict, where: str) -> BufferSpec:
             fields=_fields(table["fields"], where) if "fields" in table else None,
             mode=table.get("mode", "replay"), max_times_sampled=table.get("max_times_sampled"),
             rate_limiter=_rate_limiter(table.get("rate_limiter"), where),
-            prioritized=prioritized is not None, **(prioritized or {}))
+            prioritized=prioritized is not None, **(prioritized or {}),
+            episodes=table.get("episodes", False),
+            meta_fields=(_fields(table["meta_fields"], where, "meta field")
+                         if "meta_fields" in table else None))
     except (InvalidConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
     return BufferSpec(name, config)
@@ -139,14 +145,15 @@ def _prioritized(spec: Any, where: str) -> dict[str, Any] | None:
     return spec
 
 
-def _fields(fields: Any, where: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+def _fields(fields: Any, where: str, what: str = "field"
+            ) -> dict[str, tuple[str, tuple[int, ...]]]:
     if not isinstance(fields, dict) or not fields:
-        raise ConfigError(f"{where}: fields must be a non-empty table name = {{ dtype, shape }}")
+        raise ConfigError(f"{where}: {what}s must be a non-empty table name = {{ dtype, shape }}")
     spec = {}
     for name, value in fields.items():
         if not isinstance(value, dict) or "dtype" not in value or set(value) - {"dtype", "shape"}:
             raise ConfigError(
-                f"{where}: field {name!r} must be {{ dtype = \"...\", shape = [...] }}, got {value!r}"
+                f"{where}: {what} {name!r} must be {{ dtype = \"...\", shape = [...] }}, got {value!r}"
             )
         shape = value.get("shape", [])
         if isinstance(shape, int) and not isinstance(shape, bool):
@@ -154,9 +161,9 @@ def _fields(fields: Any, where: str) -> dict[str, tuple[str, tuple[int, ...]]]:
         if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) for d in shape
         ):
-            raise ConfigError(f"{where}: field {name!r}: shape must be a list of integers")
+            raise ConfigError(f"{where}: {what} {name!r}: shape must be a list of integers")
         if not isinstance(value["dtype"], str):
-            raise ConfigError(f"{where}: field {name!r}: dtype must be a string")
+            raise ConfigError(f"{where}: {what} {name!r}: dtype must be a string")
         spec[name] = (value["dtype"], tuple(shape))
     return spec
 

@@ -21,17 +21,22 @@ import os
 import select
 import socket
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from millpond.core.checks import check_batch_size, check_seed, check_timeout
+from millpond.core.checks import check_batch_size, check_count, check_seed, check_timeout
+from millpond.core.episodes import with_episode_column
+from millpond.core.episodic import MAX_WINDOW, check_fields, check_n_step
+from millpond.core.sequences import n_step_specs, read_specs, sequence_specs
 from millpond.errors import (
     InvalidArgumentError,
     InvalidConfigError,
     SharedMemoryError,
 )
 from millpond.shm import memfd, protocol
+from millpond.wire.status import status_for
 
 from . import shm_requests as req
 
@@ -65,6 +70,9 @@ class FastPathSession(threading.Thread):
             "push": self.push,
             "result_segment": self.new_result_segment,
             "sample": self.sample,
+            "sample_sequences": self.sample_episodic,
+            "sample_n_step": self.sample_episodic,
+            "read": self.read,
             "update_priorities": self.update_priorities,
             "set_beta": self.set_beta,
             "release": self.release,
@@ -96,6 +104,7 @@ class FastPathSession(threading.Thread):
     def handle(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         """Run one request; fds that arrived with it are always closed here."""
         op = message.get("op")
+        observer, start, code = self.ops.observer, time.perf_counter(), "OK"
         try:
             handler = self._handlers.get(op) if isinstance(op, str) else None
             if handler is None:
@@ -105,9 +114,13 @@ class FastPathSession(threading.Thread):
                 self.ops.check_ready()
             return handler(message, fds)
         except Exception as exc:
-            return protocol.error_reply(self.ops.classify(exc, f"shm {op}")), []
+            error = self.ops.classify(exc, f"shm {op}")
+            code = status_for(error)[0].name
+            return protocol.error_reply(error), []
         finally:
             protocol.close_fds(fds)
+            if observer is not None:  # the metrics
+                observer.call("shm", str(op), code, time.perf_counter() - start)
 
     def peer_gone(self) -> bool:
         """Whether the client hung up (it sends nothing while its call waits)."""
@@ -198,7 +211,9 @@ class FastPathSession(threading.Thread):
     def push(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         req.no_fds(fds)
         name = req.buffer_name(message)
-        schema = self.ops.registry.get(name).schema
+        config = self.ops.registry.get(name).config
+        # An episodic push carries its records' episode ids in one more column.
+        schema = with_episode_column(config.schema) if config.episodes else config.schema
         mm = req.mapped(self.push_segments, message.get("segment"))
         n = req.record_count(message)
         columns = message.get("columns")
@@ -209,7 +224,11 @@ class FastPathSession(threading.Thread):
         if "priorities" in message:  # a copy: the client could still change them
             priorities = req.vector(mm, message["priorities"], protocol.PRIORITY_DTYPE, n,
                                  "priorities").copy()
-        size, pushed = self._admit(message, self.ops.push_batch, name, views, priorities)
+        updates = message.get("updates")
+        if updates is not None and not isinstance(updates, list):
+            raise InvalidArgumentError("updates must be a list of [episode id, meta, end]")
+        size, pushed = self._admit(message, self.ops.push_batch, name, views, priorities, None,
+                                   updates)
         return {"ok": True, "size": size, "pushed": pushed}, []
 
     def update_priorities(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
@@ -254,12 +273,57 @@ class FastPathSession(threading.Thread):
                  for key, (start, _) in extra_spans.items()},
             )
         out, extra_views = views
-        result = self._admit(message, self.ops.sample, name, batch_size, seed, out)
+        filter_meta = message.get("filter_meta")
+        result = self._admit(message, self.ops.sample, name, batch_size, seed, out, None,
+                             filter_meta)
         # Weights and indices are small new arrays: one copy each into the segment.
         written = [key for key in extra_views if key in result]
         for key in written:
             np.copyto(extra_views[key], result[key], casting="no")
         return {"ok": True, "extras": written}, []
+
+    def sample_episodic(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
+        """sample_sequences, sample_n_step: gathered into the client's result segment,
+        laid out as the client expects (:mod:`millpond.core.sequences`'s specs)."""
+        req.no_fds(fds)
+        op, name = message["op"], req.buffer_name(message)
+        config = self.ops.registry.get(name).config
+        batch_size = check_batch_size(message.get("batch_size"))
+        seed = check_seed(message.get("seed"))
+        params: dict[str, Any]
+        if op == "sample_sequences":
+            params = {"seq_len": check_count("seq_len", message.get("seq_len"), MAX_WINDOW)}
+            specs = sequence_specs(config, batch_size, params["seq_len"])
+        else:
+            n_step, gamma = check_n_step(config, message.get("n_step"), message.get("gamma"))
+            params = {"n_step": n_step, "gamma": gamma}
+            specs = n_step_specs(config, batch_size)
+        out = self._result_views(message, specs)
+        self._admit(message, self.ops.sample_episodic, name, op, batch_size, seed,
+                    message.get("filter_meta"), params, out)
+        return {"ok": True}, []
+
+    def read(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
+        """Records by index: the seqs in the push segment, the records into a result one."""
+        req.no_fds(fds)
+        name = req.buffer_name(message)
+        config = self.ops.registry.get(name).config
+        n = req.record_count(message)
+        mm = req.mapped(self.push_segments, message.get("push_segment"))
+        seqs = req.vector(mm, message.get("seqs"), protocol.INDEX_DTYPE, n, "seqs").copy()
+        names = check_fields(config, message.get("fields"))
+        out = self._result_views(message, read_specs(config, n, names))
+        self.ops.read(name, seqs, names, out)
+        return {"ok": True}, []
+
+    def _result_views(self, message: dict, specs: protocol.Specs) -> dict[str, np.ndarray]:
+        """The arrays of ``specs`` in the request's result segment, bounds checked."""
+        mm = req.mapped(self.result_segments, message.get("segment"))
+        _, total = protocol.spec_layout(specs)
+        offset = message.get("offset")
+        req.segment_view(mm, offset, np.dtype(np.uint8), total, message["op"], protocol.ALIGN)
+        assert isinstance(offset, int)  # checked by segment_view
+        return protocol.spec_views(mm, offset, specs)
 
     # ---- lifecycle ------------------------------------------------------------------
 

@@ -17,7 +17,10 @@ owns the rules they share:
   the call's budget (:func:`wait_budget`) runs out. Waiting costs no thread,
   so any number of waiting learners leave other buffers and calls alone. The
   fast path, whose session threads call the engine directly, hands its waits
-  to the same loop (:meth:`Operations.admit_from_thread`).
+  to the same loop (:meth:`Operations.admit_from_thread`);
+* **where calls run**: engine calls go to a thread pool, except small gRPC
+  pushes and samples, which run on the loop when their buffer is free
+  (:meth:`Operations.admit_small`): they take less time than the hop.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import asyncio
 import concurrent.futures
 import gc
 import logging
+import time
 import weakref
 from concurrent.futures import Executor
 from typing import Any, Callable, Mapping, TypeVar
@@ -33,6 +37,7 @@ from typing import Any, Callable, Mapping, TypeVar
 import numpy as np
 
 from millpond.core import BufferConfig, BufferInfo, TieredBuffer
+from millpond.core.episodes import EPISODE_COLUMN
 from millpond.errors import (
     InternalError,
     LimitExceededError,
@@ -49,6 +54,14 @@ from .fatal import fatal_storage_error
 from .registry import Registry
 
 log = logging.getLogger("millpond.operations")
+# A call that moves at most this many bytes runs on the event loop itself when
+# its buffer is free (see Operations.admit_small): the hop to the engine pool
+# and back costs more than such a call. One that took longer than INLINE_SLOW_S
+# there (it waited for the disk: a cold page, writeback) sends its buffer's
+# calls to the pool for INLINE_BACKOFF_S.
+INLINE_BYTES = 256 << 10
+INLINE_SLOW_S = 0.005
+INLINE_BACKOFF_S = 1.0
 
 T = TypeVar("T")
 # How often a thread whose call waits on the loop checks that its client is still there.
@@ -114,8 +127,13 @@ class Operations:
         self._waiting_peak = 0
         self.auth = Auth() if auth is None else auth  # who may call what (both transports)
         self.ready = False  # set once the buffers are recovered
+        # Told of every call and rate-limiter wait (the metrics), or None: see .metrics.
+        self.observer: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self._changes: weakref.WeakKeyDictionary[TieredBuffer, _Changes] = \
+            weakref.WeakKeyDictionary()
+        # Buffers whose small calls go to the pool until then (admit_small).
+        self._pooled_until: weakref.WeakKeyDictionary[TieredBuffer, float] = \
             weakref.WeakKeyDictionary()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -163,18 +181,51 @@ class Operations:
         _try(buffer, buffer.push, record, timeout=0)
         return len(buffer), buffer.pushed
 
-    def push_batch(self, name: str, columns: Mapping[str, Any],
-                   priorities: np.ndarray | None) -> tuple[int, int]:
-        """Store a batch now or raise WouldWait; return ``(size, pushed)`` after it."""
-        buffer = self.registry.get(name)
-        _try(buffer, buffer.push_batch, columns, priorities, timeout=0)
+    def push_batch(self, name: str, columns: Mapping[str, Any], priorities: np.ndarray | None,
+                   buffer: TieredBuffer | None = None, updates: Any = None) -> tuple[int, int]:
+        """Store a batch now or raise WouldWait; return ``(size, pushed)`` after it.
+        ``buffer``: the one named ``name``, if the caller has it already. ``updates``:
+        episode updates applied with it."""
+        if buffer is None:
+            buffer = self.registry.get(name)
+        columns = dict(columns)  # an episodic push's ids ride in one more column
+        episodes = columns.pop(EPISODE_COLUMN, None)
+        _try(buffer, buffer.push_batch, columns, priorities, episodes=episodes, updates=updates,
+             timeout=0)
         return len(buffer), buffer.pushed
 
     def sample(self, name: str, batch_size: int, seed: int | None,
-               out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+               out: Mapping[str, np.ndarray] | None = None,
+               buffer: TieredBuffer | None = None,
+               filter_meta: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
         """Draw a batch now (into ``out`` if given) or raise WouldWait."""
-        buffer = self.registry.get(name)
+        if buffer is None:
+            buffer = self.registry.get(name)
+        if filter_meta:
+            return _try(buffer, buffer.sample, batch_size, seed, out, timeout=0,
+                        filter_meta=filter_meta)
         return _try(buffer, buffer.sample, batch_size, seed, out, timeout=0)
+
+    def sample_episodic(self, name: str, op: str, batch_size: int, seed: int | None,
+                        filter_meta: Mapping[str, Any] | None, params: Mapping[str, Any],
+                        out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """An episodic sample now (``op``: sample_sequences, sample_n_step,
+        sample_episodes; ``params``: its own arguments) or raise WouldWait."""
+        buffer = self.registry.get(name)
+        extra = {} if out is None else {"out": out}
+        return _try(buffer, getattr(buffer, op), batch_size, seed=seed, filter_meta=filter_meta,
+                    timeout=0, **params, **extra)
+
+    def update_episodes(self, name: str, updates: Any) -> None:
+        self.registry.get(name).update_episodes(updates)
+
+    def episode_catalog(self, name: str, filter_meta: Mapping[str, Any] | None
+                        ) -> dict[str, np.ndarray]:
+        return self.registry.get(name).episode_catalog(filter_meta)
+
+    def read(self, name: str, seqs: Any, fields: Any,
+             out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        return self.registry.get(name).read(seqs, fields, out=out)
 
     def update_priorities(self, name: str, indices: Any, priorities: Any) -> int:
         return self.registry.get(name).update_priorities(indices, priorities)
@@ -200,6 +251,29 @@ class Operations:
             return await self.run(fn, *args)
         except WouldWait as wait:
             return await self._wait_and_retry(wait, budget, fn, args, held)
+
+    async def admit_small(self, buffer: TieredBuffer, budget: float | None,
+                          fn: Callable[..., T], *args: Any, held: int = 0) -> T:
+        """:meth:`admit` for a call on ``buffer`` that moves at most INLINE_BYTES.
+
+        If no other thread holds the buffer's lock, the call runs here, on
+        the loop, holding it: its engine calls then never wait for another
+        thread (the lock is re-entrant). Else it goes to the pool, as would a
+        wait. ``fn`` must use no other buffer, and do no I/O but the buffer's.
+        """
+        start = time.monotonic()
+        lock = buffer._lock  # an RLock (core/buffer.py), for this
+        if self._pooled_until.get(buffer, 0.0) > start or not lock.acquire(blocking=False):
+            return await self.admit(budget, fn, *args, held=held)
+        try:
+            return fn(*args)
+        except WouldWait as exc:
+            wait = exc
+        finally:
+            lock.release()
+            if time.monotonic() - start > INLINE_SLOW_S:
+                self._pooled_until[buffer] = start + INLINE_BACKOFF_S
+        return await self._wait_and_retry(wait, budget, fn, args, held)
 
     def admit_from_thread(self, budget: float | None, cancelled: Callable[[], bool],
                           fn: Callable[..., T], *args: Any) -> T:
@@ -296,7 +370,10 @@ class Operations:
                     pass
         finally:
             changes.waiting -= 1
-            buffer.wait_ended(wait.kind, loop.time() - start)
+            waited = loop.time() - start
+            buffer.wait_ended(wait.kind, waited)
+            if self.observer is not None:
+                self.observer.wait(buffer, wait.kind, waited)
 
     @staticmethod
     def _timed_out(wait: WouldWait, waited: float) -> RateLimitTimeoutError:

@@ -80,6 +80,9 @@ class Registry:
         self.max_buffers = max_buffers
         self.max_data_bytes = max_data_bytes
         self._buffers: dict[str, TieredBuffer] = {}
+        # Start-up progress: (buffers recovered, buffer files, records checked, live records)
+        # of the buffer being checked (read by the metrics).
+        self.recovery = (0, 0, 0, 0)
         self._lock = threading.Lock()  # guards _buffers; held briefly
         # Per name (striped: bounded, never pruned): creations and closes of one name.
         self._name_locks = [threading.Lock() for _ in range(64)]
@@ -108,6 +111,7 @@ class Registry:
                 paths.append(path)
             else:
                 log.warning("not a regular file: ignored", extra={"kv": {"file": path.name}})
+        self.recovery = (0, len(paths), 0, 0)
         for i, path in enumerate(paths, 1):
             name = path.name[: -len(FILE_SUFFIX)]
             log.info("recovering buffer", extra={"kv": {
@@ -115,9 +119,10 @@ class Registry:
                 "bytes": path.stat().st_size}})
             buffer = TieredBuffer.open(path, sync_every_push=self.sync_every_push,
                                        skip_corrupt=self.skip_corrupt,
-                                       progress=_progress_logger(name))
+                                       progress=self._progress(i - 1, len(paths), name))
             with self._lock:
                 self._buffers[name] = buffer
+            self.recovery = (i, len(paths), 0, 0)
             damaged = buffer.info().damaged
             if damaged:
                 log.warning("damaged records left out", extra={"kv": {
@@ -125,6 +130,16 @@ class Registry:
             log.info("buffer recovered", extra={"kv": {
                 "buffer": name, "records": len(buffer), "pushed": buffer.pushed}})
         return len(paths)
+
+    def _progress(self, done: int, total: int, name: str):
+        """The progress callback of one buffer's recovery: kept for the metrics, logged."""
+        logger = _progress_logger(name)
+
+        def report(checked: int, live: int) -> None:
+            self.recovery = (done, total, checked, live)
+            logger(checked, live)
+
+        return report
 
     def create(self, name: str, config: BufferConfig,
                may_create: bool = True) -> tuple[TieredBuffer, bool]:

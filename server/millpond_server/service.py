@@ -9,10 +9,14 @@ operations layer classifies the error, and the catalog
 
 Bulk paths avoid needless copies of multi-megabyte payloads:
 
-* ``PushBatch`` requests arrive as raw bytes and are parsed on the pool by
+* ``PushBatch`` requests arrive as raw bytes and are parsed by
   :mod:`millpond.wire.frames` into views of those bytes (no copy);
-* ``Sample`` replies are encoded on the pool by the same module: the gathered
-  arrays are joined once into the reply's wire bytes, sent as they are.
+* ``Sample`` replies are gathered by the engine straight into the reply's
+  wire bytes (:mod:`millpond.wire.inplace`), sent as they are.
+
+Pushes and samples of at most ``INLINE_BYTES`` run on the event loop when
+their buffer is free (:meth:`.Operations.admit_small`); larger ones, and
+all parsing and gathering of megabytes, on the engine pool.
 """
 
 from __future__ import annotations
@@ -23,30 +27,28 @@ import functools
 from typing import Any, Callable
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
-from millpond.core import Schema
+from millpond.core import Schema, TieredBuffer
+from millpond.core.sequences import episodic_reply_nbytes
 from millpond.errors import InvalidArgumentError, MessageTooLargeError
 from millpond.shm.protocol import read_boot_id
 from millpond.v1 import replay_pb2 as pb
 from millpond.wire.codec import config_from_proto, decode_batch, info_to_proto
 from millpond.wire.frames import (
-    PUSH_BATCH_FIELD,
-    PUSH_PRIORITIES_FIELD,
-    PUSH_TIMEOUT_FIELD,
     SAMPLE_BATCH_FIELD,
-    decode_batch_field,
-    decode_double,
-    decode_doubles,
-    decode_name,
+    decode_batches,
     encode_with_batch,
-    encoded_batch_nbytes,
+    split_push_batch,
 )
+from millpond.wire.episodic import decode_meta, decode_update, decode_updates, optional
+from millpond.wire.inplace import BatchFrame
 from millpond.wire.status import ERROR_CODE_KEY, status_for
 
 from .auth import ADMIN, bearer_token
 from .shm_listener import FastPathServer
-from .operations import Operations, wait_budget
+from .operations import INLINE_BYTES, Operations, wait_budget
 from .registry import check_name
 
 SERVICE_NAME = "millpond.v1.Replay"
@@ -93,10 +95,16 @@ _REQUESTS: dict[str, Callable[[bytes], Any]] = {
 }
 
 
+@functools.lru_cache(maxsize=256)  # learners ask for the same size again and again
+def sample_reply_frame(schema: Schema, batch_size: int) -> BatchFrame:
+    """The SampleReply of ``batch_size`` records of ``schema`` (without sample extras)."""
+    return BatchFrame(SAMPLE_BATCH_FIELD,
+                      [(f.name, f.dtype, (max(0, batch_size), *f.shape)) for f in schema])
+
+
 def sample_reply_nbytes(schema: Schema, batch_size: int) -> int:
-    """Exact wire size of the SampleReply for ``batch_size`` records."""
-    return encoded_batch_nbytes(
-        {f.name: (f.dtype.str, (batch_size, *f.shape), batch_size * f.nbytes) for f in schema})
+    """Exact wire size of the SampleReply for ``batch_size`` records (without extras)."""
+    return sample_reply_frame(schema, batch_size).nbytes if batch_size > 0 else 0
 
 
 def _budget(request_timeout: float | None, context: grpc.aio.ServicerContext) -> float | None:
@@ -130,36 +138,62 @@ class ReplayService:
 
     @_rpc
     async def PushBatch(self, request: bytes, context) -> pb.PushReply:
-        # Arrives unparsed (see add_to_server): parsing megabytes stays off the loop.
-        timeout = decode_double(request, PUSH_TIMEOUT_FIELD)
-        size, pushed = await self.ops.admit(_budget(timeout, context), self._push_frames, request,
-                                            held=len(request))
+        # Arrives unparsed (see add_to_server); its top-level fields are read
+        # here, its columns where the push runs (the pool, if it is large).
+        name, batches, priorities, timeout, raw_updates = split_push_batch(request)
+        updates = [decode_update(bytes(raw)) for raw in raw_updates] or None
+        budget = _budget(timeout, context)
+        if len(request) <= INLINE_BYTES and not self.ops.registry.sync_every_push:
+            buffer = self.ops.registry.get(name)
+            size, pushed = await self.ops.admit_small(buffer, budget, self._push_frames, name,
+                                                      batches, priorities, buffer, updates,
+                                                      held=len(request))
+        else:  # (--sync always: every push waits for the disk, never on the loop)
+            size, pushed = await self.ops.admit(budget, self._push_frames, name, batches,
+                                                priorities, None, updates, held=len(request))
         return pb.PushReply(size=size, pushed=pushed)
 
-    def _push_frames(self, raw: bytes) -> tuple[int, int]:
+    def _push_frames(self, name: str, batches: list[memoryview], priorities: np.ndarray | None,
+                     buffer: TieredBuffer | None, updates: list | None = None) -> tuple[int, int]:
         # Columns are views of the request bytes: the push is their only copy.
-        priorities = decode_doubles(raw, PUSH_PRIORITIES_FIELD)
-        return self.ops.push_batch(decode_name(raw), decode_batch_field(raw, PUSH_BATCH_FIELD),
-                                   priorities if len(priorities) else None)
+        return self.ops.push_batch(name, decode_batches(batches), priorities, buffer, updates)
 
     @_rpc
     async def Sample(self, request: pb.SampleRequest, context) -> bytes:
         seed = request.seed if request.HasField("seed") else None
         timeout = request.timeout if request.HasField("timeout") else None
-        return await self.ops.admit(_budget(timeout, context), self._sample_frames,
-                                    request.name, request.batch_size, seed)
+        if request.HasField("n_step") or request.filter_meta.columns:  # episodic buffers
+            params = ({"n_step": request.n_step, "gamma": request.gamma}
+                      if request.HasField("n_step") else {})
+            return await self._episodic(
+                "sample_n_step" if params else "sample", request.name, request.batch_size, seed,
+                request.filter_meta, params, timeout, context)
+        buffer = self.ops.registry.get(request.name)
+        nbytes = sample_reply_nbytes(buffer.schema, request.batch_size)
+        if nbytes > self.max_message_bytes:
+            raise MessageTooLargeError(
+                f"sample reply of {nbytes:,} bytes ({request.batch_size:,} records of "
+                f"{buffer.schema.record_nbytes:,} bytes) exceeds --max-message-mb "
+                f"{self.max_message_mb} ({self.max_message_bytes:,} bytes); "
+                "sample fewer records per call")
+        budget = _budget(timeout, context)
+        if nbytes <= INLINE_BYTES:
+            return await self.ops.admit_small(buffer, budget, self._sample_frames, buffer,
+                                              request.batch_size, seed)
+        return await self.ops.admit(budget, self._sample_frames, buffer, request.batch_size, seed)
 
-    def _sample_frames(self, name: str, batch_size: int, seed: int | None) -> bytes:
-        schema = self.ops.registry.get(name).schema
-        if batch_size > 0:
-            nbytes = sample_reply_nbytes(schema, batch_size)
-            if nbytes > self.max_message_bytes:
-                raise MessageTooLargeError(
-                    f"sample reply of {nbytes:,} bytes ({batch_size:,} records of "
-                    f"{schema.record_nbytes:,} bytes) exceeds --max-message-mb "
-                    f"{self.max_message_mb} ({self.max_message_bytes:,} bytes); "
-                    "sample fewer records per call")
-        return encode_with_batch(SAMPLE_BATCH_FIELD, self.ops.sample(name, batch_size, seed))
+    def _sample_frames(self, buffer: TieredBuffer, batch_size: int, seed: int | None) -> bytes:
+        if buffer.config.prioritized is not None or batch_size <= 0:  # weights, indices too
+            return encode_with_batch(SAMPLE_BATCH_FIELD,
+                                     self.ops.sample("", batch_size, seed, buffer=buffer))
+        # Gathered straight into the reply's bytes: the column data's one copy.
+        # The engine fills every row of ``out`` (cold rows, then hot ones) and
+        # returns those very arrays; anything else is encoded the plain way.
+        reply, columns = sample_reply_frame(buffer.schema, batch_size).new()
+        result = self.ops.sample("", batch_size, seed, columns, buffer=buffer)
+        if result.keys() != columns.keys() or any(result[k] is not v for k, v in columns.items()):
+            return encode_with_batch(SAMPLE_BATCH_FIELD, result)
+        return reply
 
     @_rpc
     async def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest,
@@ -172,6 +206,73 @@ class ReplayService:
     async def SetBeta(self, request: pb.SetBetaRequest, context) -> pb.SetBetaReply:
         self.ops.set_beta(request.name, request.beta)
         return pb.SetBetaReply()
+
+    # ---- episodic buffers ---------------------------------------------------------------
+
+    @_rpc
+    async def UpdateEpisodes(self, request: pb.UpdateEpisodesRequest,
+                             context) -> pb.UpdateEpisodesReply:
+        await self.ops.run(self.ops.update_episodes, request.name, decode_updates(request))
+        return pb.UpdateEpisodesReply()
+
+    @_rpc
+    async def SampleSequences(self, request: pb.SampleSequencesRequest, context) -> bytes:
+        return await self._episodic("sample_sequences", request.name, request.batch_size,
+                                    optional(request, "seed"), request.filter_meta,
+                                    {"seq_len": request.seq_len}, optional(request, "timeout"),
+                                    context)
+
+    @_rpc
+    async def SampleEpisodes(self, request: pb.SampleEpisodesRequest, context) -> bytes:
+        return await self._episodic("sample_episodes", request.name, request.batch_size,
+                                    optional(request, "seed"), request.filter_meta,
+                                    {"max_len": optional(request, "max_len")},
+                                    optional(request, "timeout"), context)
+
+    async def _episodic(self, op: str, name: str, batch_size: int, seed: int | None,
+                        filter_meta: pb.Batch, params: dict[str, Any], timeout: float | None,
+                        context: grpc.aio.ServicerContext) -> bytes:
+        """An episodic sample (or a filtered one), its reply encoded on the pool."""
+        wanted = decode_meta(filter_meta) or None
+        self._check_reply(episodic_reply_nbytes(self.ops.registry.get(name).config, op,
+                                                batch_size, params), op)
+
+        def frames() -> bytes:
+            if op == "sample":
+                result = self.ops.sample(name, batch_size, seed, filter_meta=wanted)
+            else:
+                result = self.ops.sample_episodic(name, op, batch_size, seed, wanted, params)
+            return self._check_reply(encode_with_batch(SAMPLE_BATCH_FIELD, result), op)
+
+        return await self.ops.admit(_budget(timeout, context), frames)
+
+    @_rpc
+    async def EpisodeCatalog(self, request: pb.EpisodeCatalogRequest, context) -> bytes:
+        def frames() -> bytes:
+            catalog = self.ops.episode_catalog(request.name,
+                                               decode_meta(request.filter_meta) or None)
+            return self._check_reply(encode_with_batch(SAMPLE_BATCH_FIELD, catalog),
+                                     "episode_catalog")
+        return await self.ops.run(frames)
+
+    @_rpc
+    async def Read(self, request: pb.ReadRequest, context) -> bytes:
+        names = list(request.fields) or None
+        config = self.ops.registry.get(request.name).config
+        self._check_reply(episodic_reply_nbytes(config, "read", len(request.seqs),
+                                                {"fields": names}), "read")
+        seqs = np.asarray(request.seqs, np.int64)
+        return await self.ops.run(lambda: encode_with_batch(
+            SAMPLE_BATCH_FIELD, self.ops.read(request.name, seqs, names)))
+
+    def _check_reply(self, reply: Any, op: str) -> Any:
+        """``reply`` (bytes, or a size) if within --max-message-mb, else MessageTooLargeError."""
+        nbytes = reply if isinstance(reply, int) else len(reply)
+        if nbytes > self.max_message_bytes:
+            raise MessageTooLargeError(
+                f"{op} reply of {nbytes:,} bytes exceeds --max-message-mb {self.max_message_mb} "
+                f"({self.max_message_bytes:,} bytes); ask for fewer records per call")
+        return reply
 
     @_rpc
     async def Close(self, request: pb.CloseRequest, context) -> pb.CloseReply:

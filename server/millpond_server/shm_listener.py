@@ -185,6 +185,12 @@ class FastPathServer:
                     f"its limit of {self.max_client_bytes:,} bytes (--shm-max-mb)")
             held[1] += size
 
+    def usage(self) -> tuple[int, int, int]:
+        """``(client processes, sessions, bytes of shared memory)`` held now."""
+        with self._lock:
+            held = list(self._clients.values())
+        return len(held), sum(h[0] for h in held), sum(h[1] for h in held)
+
     def unreserve(self, pid: int, size: int) -> None:
         with self._lock:
             self._clients[pid][1] -= size

@@ -12,33 +12,30 @@ Thread-safe: one lock per buffer guards every public method.
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import weakref
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..errors import (
-    BufferClosedError,
-    InvalidArgumentError,
-    InvalidConfigError,
-    NotEnoughDataError,
-)
+from ..errors import BufferClosedError, InvalidArgumentError, InvalidConfigError, NotEnoughDataError
 from .bufferfile import BufferFile
 from .checks import check_batch_size, check_indices, check_priorities, check_seed, check_timeout
 from .config import BufferConfig, ConfiguredBuffer, check_exponent
-from .draw import Proportional, slot_arrays_for, strategy_for
-from .footprint import memory_needed
-from .memory import check_available
+from .draw import Proportional, strategy_for
+from .episodes import EpisodeIndex
+from .episodic import EpisodicReads
+from .footprint import hot_nbytes, memory_needed, slot_arrays_for
+from .memory import available_memory, check_available, memory_limit
 from .fifo import Fifo
+from .fileops import temp_path
 from .info import BufferInfo
-from .ratelimit import RateState
+from .ratelimit import RateState, RateWaits
 from .recovery import recover
 from .tier import Tier
 
 
-class TieredBuffer(ConfiguredBuffer):
+class TieredBuffer(EpisodicReads, RateWaits, ConfiguredBuffer):
     """Hot ring + cold mapped-file ring behind one FIFO, as ``config`` describes.
 
     ``total_capacity == hot_capacity`` means no cold tier: the record leaving
@@ -51,6 +48,7 @@ class TieredBuffer(ConfiguredBuffer):
     of the process; ``release()`` unmaps it and keeps the file, and
     :meth:`open` brings it back. ``sync_every_push`` makes each push wait for
     its pages to reach the disk (msync) before it returns.
+    Episodic buffers: see :class:`.episodic.EpisodicReads`.
 
     Sampling (``config.mode``): ``"replay"`` draws with replacement (see
     :mod:`.draw`) and keeps records until they are evicted or used up;
@@ -73,7 +71,7 @@ class TieredBuffer(ConfiguredBuffer):
             if path is None and persistent:
                 raise InvalidConfigError("a persistent buffer needs a file path")
             file = BufferFile.create(
-                os.fspath(path) if path is not None else _temp_path(), config.schema, hot, total,
+                os.fspath(path) if path is not None else temp_path(), config.schema, hot, total,
                 persistent=persistent, extra_meta=config.sampling_meta(),
                 slot_arrays=slot_arrays_for(config) if persistent else None)
         try:
@@ -106,6 +104,8 @@ class TieredBuffer(ConfiguredBuffer):
         buffer = cls.__new__(cls)
         buffer._setup(config, fifo, persistent=True)
         buffer._strategy.restore()
+        if buffer._episodes is not None:
+            buffer._episodes.restore()
         buffer._rate.restart(buffer._size(), removes=config.removes)
         return buffer
 
@@ -114,8 +114,15 @@ class TieredBuffer(ConfiguredBuffer):
         self.persistent = persistent
         self._fifo = fifo
         self._strategy = strategy_for(config, fifo, fifo.file, persistent)
-        fifo.listener = self._strategy
-        self._lock = threading.Lock()
+        self._episodes = (EpisodeIndex(fifo, config.meta_fields, fifo.file if persistent else None)
+                          if config.episodes else None)
+        fifo.listeners = (self._strategy,) if self._episodes is None else (
+            self._strategy, self._episodes)
+        if fifo.file is not None:  # the hot tier resident while there is room for it
+            available = available_memory()
+            self.hot_locked = fifo.file.settle(lock_hot=persistent and (
+                available is None or hot_nbytes(config, persistent) <= available))
+        self._lock = threading.RLock()  # re-entrant: see Operations.admit_small (server)
         self._rate = RateState(config.rate_limiter, self._lock)
         self._closed = False
         self._rng = np.random.default_rng()
@@ -123,7 +130,7 @@ class TieredBuffer(ConfiguredBuffer):
             # Like the reference's Drop: a buffer dropped (or alive at exit)
             # without close() still unmaps its file, and deletes it unless
             # the buffer is persistent.
-            weakref.finalize(self, _unmap, fifo, self._strategy, not persistent)
+            weakref.finalize(self, _unmap, fifo, fifo.listeners, not persistent)
 
     # ---- properties -----------------------------------------------------------
 
@@ -153,46 +160,57 @@ class TieredBuffer(ConfiguredBuffer):
         with self._lock:
             self._check_open()
             fifo, proportional = self._fifo, self._proportional(required=False)
+            episodes, in_progress = self._episode_counts()
             return BufferInfo(
-                self.config, path=self.path, beta=None if proportional is None else proportional.beta,
-                max_priority=None if proportional is None else proportional.max_priority,
+                self.config, path=self.path, **({} if proportional is None else proportional.state()),
                 size=self._size(), pushed=fifo.pushed, hot_size=fifo.pushed - fifo.hot_lo,
-                cold_size=fifo.hot_lo - fifo.first, damaged=len(fifo.holes), **self._rate.stats())
+                cold_size=fifo.hot_lo - fifo.first, damaged=len(fifo.holes),
+                memory_needed=memory_needed(self.config, self.persistent),
+                memory_limit=memory_limit() or 0, episodes=episodes,
+                episodes_in_progress=in_progress, **self._rate.stats())
 
     # ---- writes ---------------------------------------------------------------
 
     def push(self, record: Mapping[str, Any], priority: float | None = None, *,
+             episode: int | None = None, updates: Any = None,
              timeout: float | None = None) -> None:
         """Append one record (``{field: value}``); validated before anything changes.
 
         ``priority``: prioritized buffers only (default: the largest seen so
-        far). With a rate limiter, waits up to ``timeout`` seconds (None: no
-        limit) while the push would break it, then raises RateLimitTimeoutError.
+        far). ``episode`` (its id), ``updates``: see :meth:`push_batch`. With
+        a rate limiter, waits up to ``timeout`` seconds (None: no limit)
+        while the push would break it, then raises RateLimitTimeoutError.
         """
         self._check_open()
         batch = self.schema.coerce_record(record)
-        self._store(1, batch, None if priority is None else [priority], timeout)
+        self._store(1, batch, None if priority is None else [priority], episode, updates, timeout)
 
     def push_batch(self, columns: Mapping[str, Any], priorities: Any = None, *,
+                   episodes: Any = None, updates: Any = None,
                    timeout: float | None = None) -> int:
         """Append a batch (``{field: array[n, ...]}``); return n.
 
         Validated in full before anything changes: a rejected batch leaves the
         buffer exactly as it was. An empty batch is accepted and stores nothing.
-        ``priorities``: one per record, prioritized buffers only. ``timeout``:
-        as for :meth:`push`; the batch is admitted whole or not at all.
+        ``priorities``: one per record, prioritized buffers only. ``episodes``:
+        episodic buffers only, one id per record (or one for all); a record
+        whose ``terminated`` or ``truncated`` is true ends its episode.
+        ``updates``: :meth:`update_episodes`'s, applied with the batch (its
+        episodes' meta becomes visible with their records).
+        ``timeout``: as for :meth:`push`; the batch is admitted whole or not at all.
         """
         self._check_open()
         n, batch = self.schema.coerce_batch(columns)
-        self._store(n, batch, priorities, timeout)
+        self._store(n, batch, priorities, episodes, updates, timeout)
         return n
 
-    def _store(self, n: int, batch: Mapping[str, np.ndarray], priorities: Any,
-               timeout: float | None) -> None:
+    def _store(self, n: int, batch: Mapping[str, np.ndarray], priorities: Any, episodes: Any,
+               updates: Any, timeout: float | None) -> None:
         timeout = check_timeout(timeout)
         if priorities is not None:
             self._proportional()
             priorities = check_priorities(priorities, n)
+        before_commit = self._episode_writes(n, batch, episodes, updates)
         limiter = self.config.rate_limiter
         if limiter is not None and n:
             limiter.check_insert(n)
@@ -201,7 +219,7 @@ class TieredBuffer(ConfiguredBuffer):
             if n and limiter is not None:
                 self._rate.wait_until("insert", n, lambda: self._rate.can_insert(n, self._size()),
                                       timeout, self._size, self._check_open)
-            old, new = self._fifo.append(n, batch)
+            old, new = self._fifo.append(n, batch, before_commit)
             self._strategy.appended(old, new, priorities)
             self._rate.inserts += n
             self._rate.changed()
@@ -237,47 +255,12 @@ class TieredBuffer(ConfiguredBuffer):
             raise InvalidArgumentError("priorities are for prioritized buffers; this one is uniform")
         return None
 
-    # ---- waiting for the rate limiter -----------------------------------------
-
-    def describe_rate(self) -> str:
-        """The rate limiter's state in words (for timeout messages)."""
-        with self._lock:
-            return self._rate.describe(self._size())
-
-    def add_listener(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` (cheap, non-blocking, lock held) after every change that
-        may let a rate-limited push or sample proceed, and at close: for waiters
-        that cannot sleep on this buffer's condition, like an event loop."""
-        with self._lock:
-            self._rate.add_listener(listener)
-
-    def would_wait(self, kind: str, n: int) -> bool:
-        """Whether a push (``kind="insert"``) or sample of ``n`` records would wait now.
-
-        A hint read without the lock: the call itself decides (a closed buffer
-        never waits: the call raises).
-        """
-        if self._closed:
-            return False
-        if kind == "insert":
-            return not self._rate.can_insert(n, self._size())
-        return not self._sample_ready(n)
-
-    def wait_started(self, kind: str) -> None:
-        """Count a call of ``kind`` ("insert", "sample") that waits outside the buffer,
-        so that the statistics stay in one place. For a server, whose engine
-        calls never wait themselves: its one waiting thread (the event loop)
-        makes these calls, without the buffer's lock."""
-        self._rate.wait_started(kind)
-
-    def wait_ended(self, kind: str, seconds: float) -> None:
-        self._rate.wait_ended(kind, seconds)
-
     # ---- reads ----------------------------------------------------------------
 
     def sample(self, batch_size: int, seed: int | None = None,
-               out: Mapping[str, np.ndarray] | None = None, *,
-               timeout: float | None = None) -> dict[str, np.ndarray]:
+               out: Mapping[str, np.ndarray] | None = None, *, timeout: float | None = None,
+               n_step: int | None = None, gamma: float = 0.99,
+               filter_meta: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
         """Draw ``batch_size`` records from hot + cold.
 
         Replay mode draws with replacement: the same contents and ``seed``
@@ -292,9 +275,36 @@ class TieredBuffer(ConfiguredBuffer):
         modes) waits up to ``timeout`` seconds (None: no limit) while the
         sample would break it; without one, asking for more records than are
         held raises NotEnoughDataError at once.
+
+        Episodic buffers: ``filter_meta`` draws only records of episodes
+        with those meta values; ``n_step`` (with ``gamma``) returns n-step
+        transitions (see :meth:`.episodic.EpisodicReads.sample_n_step`).
         """
+        if n_step is not None:
+            return self.sample_n_step(batch_size, n_step, gamma, seed, filter_meta=filter_meta,
+                                      timeout=timeout)
         batch_size = check_batch_size(batch_size)
         seed = check_seed(seed)
+        wanted = self._filter(filter_meta)
+
+        def draw() -> dict[str, np.ndarray]:
+            if self.config.removes:
+                return self._fifo.pop(batch_size, newest=self.config.mode == "stack", out=out)
+            among = None if wanted is None else self._episodes_or_raise().candidates(wanted)
+            seqs, extras = self._strategy.draw(self._generator(seed), batch_size, among)
+            if extras:  # rows come back cold first, then hot: keep extras in step
+                order = self._fifo.tier_order(seqs)
+                seqs, extras = seqs[order], {k: v[order] for k, v in extras.items()}
+            return {**self._fifo.gather(seqs, out), **extras}
+
+        return self._read(batch_size, batch_size, timeout, draw)
+
+    def _read(self, batch_size: int, need: int, timeout: float | None,
+              read: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """``read()`` under the lock once a sample of ``batch_size`` may proceed: without a
+        rate limiter, at once if ``need`` records are held (else NotEnoughDataError);
+        with one, after waiting up to ``timeout`` while it would break it. Counted
+        as ``batch_size`` samples."""
         timeout = check_timeout(timeout)
         limiter = self.config.rate_limiter
         if limiter is not None:
@@ -302,25 +312,21 @@ class TieredBuffer(ConfiguredBuffer):
         with self._lock:
             self._check_open()
             if limiter is None:
-                if batch_size > self._size():
-                    raise NotEnoughDataError(f"batch_size {batch_size} > buffer len {self._size()}")
+                if need > self._size():
+                    raise NotEnoughDataError(f"batch_size {batch_size} > buffer len {self._size()}"
+                                             if need == batch_size else "the buffer is empty")
             else:
                 self._rate.wait_until("sample", batch_size, lambda: self._sample_ready(batch_size),
                                       timeout, self._size, self._check_open)
-            if self.config.removes:
-                result = self._fifo.pop(batch_size, newest=self.config.mode == "stack", out=out)
-            else:
-                # Unseeded draws share one generator (guarded by the lock): making
-                # a fresh one costs more than sampling 256 small records.
-                rng = self._rng if seed is None else np.random.default_rng(seed)
-                seqs, extras = self._strategy.draw(rng, batch_size)
-                if extras:  # rows come back cold first, then hot: keep extras in step
-                    order = self._fifo.tier_order(seqs)
-                    seqs, extras = seqs[order], {k: v[order] for k, v in extras.items()}
-                result = {**self._fifo.gather(seqs, out), **extras}
+            result = read()
             self._rate.samples += batch_size
             self._rate.changed()
             return result
+
+    def _generator(self, seed: int | None) -> np.random.Generator:
+        """The generator of a draw (lock held). Unseeded draws share one: making a fresh
+        one costs more than sampling 256 small records."""
+        return self._rng if seed is None else np.random.default_rng(seed)
 
     def _sample_ready(self, batch_size: int) -> bool:
         """Whether a sample of ``batch_size`` may proceed now (lock held)."""
@@ -368,7 +374,7 @@ class TieredBuffer(ConfiguredBuffer):
                 return
             self._closed = True
             self._rate.changed()  # waiters wake up and raise BufferClosedError
-            _unmap(self._fifo, self._strategy, delete)
+            _unmap(self._fifo, self._fifo.listeners, delete)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -381,15 +387,10 @@ class TieredBuffer(ConfiguredBuffer):
         )
 
 
-def _unmap(fifo: Fifo, strategy: Any, delete: bool) -> None:
+def _unmap(fifo: Fifo, listeners: Any, delete: bool) -> None:
     """Drop every view of the buffer's memory, then unmap (and maybe delete) its file."""
     fifo.hot.release()
-    strategy.release()  # views of the file's map must go before it closes
+    for listener in listeners:  # views of the file's map must go before it closes
+        listener.release()
     if fifo.file is not None:
         fifo.file.close(delete=delete)
-
-
-def _temp_path() -> str:
-    fd, path = tempfile.mkstemp(prefix="millpond-", suffix=".buffer")
-    os.close(fd)
-    return path

@@ -58,8 +58,10 @@ from ..errors import (
 )
 from .schema import Schema
 from .checksum import CHECKSUM_DTYPE
+from .memory import keep_resident
 from .fileops import CREATE_FLAGS, allocate, check_free_space, fsync_directory, unlink_quietly
-from .tier import SEQ_DTYPE, Tier
+from .coldio import TierFile
+from .tier import CHECKSUM_REGION, SEQ_DTYPE, SEQ_REGION, Tier
 
 MAGIC = b"MILLPOND"
 FORMAT_VERSION = 2
@@ -69,10 +71,6 @@ _COUNTERS = struct.Struct("<QQQQ")  # generation, pushed, first, hot_lo
 _SLOT = struct.Struct("<QQQQI")  # the counters and their crc32
 _SLOT_OFFSETS = (32, 72)
 _JSON_OFFSET = 128
-# Not a Python identifier, so no field name (fields must be identifiers) can
-# collide with it in the region table.
-SEQ_REGION = "#seq"
-CHECKSUM_REGION = "#checksum"
 HOT_PREFIX = "hot:"
 SLOT_PREFIX = "slot:"  # never a field name's prefix either: fields are identifiers
 
@@ -150,7 +148,9 @@ class BufferFile:
         self.generation, self.pushed, self.first, self.hot_lo = counters
         regions = meta["regions"]
         cold = meta["cold_capacity"]
-        self.tier = _map_tier(mm, schema, cold, regions, "") if cold else None
+        # The cold tier reads and writes through the fd (disk-sized, mostly not resident);
+        # the hot tier through the mapping (memory-sized, kept resident).
+        self.tier = _map_tier(mm, schema, cold, regions, "", fd) if cold else None
         self.hot_tier = (_map_tier(mm, schema, meta["hot_capacity"], regions, HOT_PREFIX)
                          if meta["persistent"] else None)
         self._slot_arrays = {
@@ -158,6 +158,22 @@ class BufferFile:
                                 regions[SLOT_PREFIX + name][0])
             for name, dtype in meta.get("slot_arrays", {}).items()
         }
+
+    def settle(self, lock_hot: bool) -> bool:
+        """Arrange what stays in memory: the cold tier is read in random order (no
+        read-ahead); the hot tier of a persistent file is kept resident (mlock,
+        where permitted) if ``lock_hot``. Returns whether the hot tier is locked."""
+        if self.tier is not None and self.tier.file is not None:
+            self.tier.file.random_access(self.tier.capacity)
+        if not lock_hot or self.hot_tier is None:
+            return False
+        assert self._mm is not None
+        spans = [self.meta["regions"][name] for name in self.meta["regions"]
+                 if name.startswith(HOT_PREFIX)]
+        start = min(offset for offset, _ in spans)
+        end = max(offset + nbytes for offset, nbytes in spans)
+        base = np.frombuffer(self._mm, np.uint8, 1).ctypes.data
+        return keep_resident(self._mm, start, end - start, base + start)
 
     def slot_array(self, name: str) -> np.ndarray | None:
         """The writable mapped array ``name`` (one element per slot), or None if the file has none."""
@@ -348,16 +364,25 @@ def _read_commit(mm: mmap.mmap, path: str) -> tuple[int, int, int, int]:
     return max(valid)
 
 
-def _map_tier(mm: mmap.mmap, schema: Schema, capacity: int, regions: dict, prefix: str) -> Tier:
+def _map_tier(mm: mmap.mmap, schema: Schema, capacity: int, regions: dict, prefix: str,
+              fd: int | None = None) -> Tier:
+    """The tier whose regions have ``prefix``; with ``fd``, it does its I/O through it."""
     def view(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         offset = regions[prefix + name][0]
         count = capacity * int(np.prod(shape, dtype=np.int64))
         return np.frombuffer(mm, dtype, count, offset).reshape((capacity,) + shape)
 
     columns = {f.name: view(f.name, f.dtype, f.shape) for f in schema}
+    seq = view(SEQ_REGION, SEQ_DTYPE, ())
     checksum = (view(CHECKSUM_REGION, CHECKSUM_DTYPE, ())
                 if prefix + CHECKSUM_REGION in regions else None)
-    return Tier(capacity, columns, view(SEQ_REGION, SEQ_DTYPE, ()), checksum)
+    file = None
+    if fd is not None:
+        arrays = {**columns, SEQ_REGION: seq, **({} if checksum is None else
+                                                  {CHECKSUM_REGION: checksum})}
+        file = TierFile(fd, mm, {name: regions[prefix + name][0] for name in arrays},
+                        {name: array.strides[0] for name, array in arrays.items()})
+    return Tier(capacity, columns, seq, checksum, file)
 
 
 def _check_slot_arrays(slot_arrays: Mapping[str, str]) -> dict[str, str]:

@@ -72,14 +72,42 @@ def check_priorities(priorities: Any, n: int) -> np.ndarray:
     return values
 
 
-def check_indices(indices: Any) -> np.ndarray:
+def check_indices(indices: Any, label: str = "indices") -> np.ndarray:
     """``indices`` (the ``indices`` a sample returned) as int64[n], or InvalidArgumentError."""
     try:
         values = np.asarray(indices)
     except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"indices must be integers: {exc}") from exc
+        raise InvalidArgumentError(f"{label} must be integers: {exc}") from exc
     if values.size and values.dtype.kind not in "iu":
-        raise InvalidArgumentError(f"indices must be integers, got dtype {values.dtype}")
+        raise InvalidArgumentError(f"{label} must be integers, got dtype {values.dtype}")
     if values.dtype.kind == "u" and values.size and values.max() > np.iinfo(np.int64).max:
-        raise InvalidArgumentError("indices out of range")
+        raise InvalidArgumentError(f"{label} out of range")
     return values.astype(np.int64).reshape(-1)
+
+
+def check_count(label: str, value: Any, most: int) -> int:
+    """``value`` as an int in ``[1, most]`` (seq_len, n_step, max_len), or InvalidArgumentError."""
+    if not is_integral(value) or isinstance(value, bool) or not 0 < value <= most:
+        raise InvalidArgumentError(f"{label} must be an integer in [1, {most:,}], got {value!r}")
+    return int(value)
+
+
+def check_gamma(gamma: Any) -> float:
+    """The discount ``gamma`` as a float in [0, 1], or InvalidArgumentError."""
+    if not is_real(gamma) or isinstance(gamma, bool) or not 0 <= gamma <= 1:
+        raise InvalidArgumentError(f"gamma must be a number in [0, 1], got {gamma!r}")
+    return float(gamma)
+
+
+def check_episode_ids(episodes: Any, n: int) -> np.ndarray:
+    """Episode ids for ``n`` records as int64[n] (one int: all of them), or InvalidArgumentError."""
+    if is_integral(episodes) and not isinstance(episodes, bool):
+        if not -(2**63) <= episodes < 2**63:
+            raise InvalidArgumentError(f"episode ids are 64-bit integers, got {episodes!r}")
+        return np.full(n, int(episodes), np.int64)
+    values = check_indices(episodes, "episode ids") if episodes is not None else None
+    if values is None or values.shape != (n,):
+        raise InvalidArgumentError(
+            f"an episodic buffer needs one episode id per record ({n}), got "
+            f"{'none' if values is None else values.size}")
+    return values

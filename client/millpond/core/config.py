@@ -21,6 +21,8 @@ from .schema import Schema
 MODES = ("replay", "queue", "stack")
 MAX_CAPACITY = 2**40  # records: far beyond any disk, and safe in int64 seq arithmetic
 MAX_TIMES_SAMPLED = 2**32 - 1  # draw counts are uint32
+# The keys episodic samples add beside the record fields: no field or meta field may take them.
+EPISODE_KEYS = ("mask", "lens", "episode_ids", "start_steps", "n_step_lens", "weights", "indices")
 
 
 def _capacity(label: str, value: Any) -> int:
@@ -68,7 +70,11 @@ class BufferConfig:
     * ``rate_limiter``: when pushes and samples may proceed; queues and
       stacks default to ``Queue(total_capacity)``;
     * ``prioritized``: proportional prioritized sampling (replay mode), or
-      None for uniform.
+      None for uniform;
+    * ``episodes``: records belong to episodes, and sequences, episodes and
+      n-step transitions can be sampled (replay mode; see
+      :mod:`.episodes`); ``meta_fields`` (a Schema, or None) are values per
+      episode.
 
     Construction validates and normalizes, so equal buffers have equal
     configs (compare with ``==``; ``beta`` excepted, see :class:`Prioritized`).
@@ -81,6 +87,8 @@ class BufferConfig:
     max_times_sampled: int | None = None
     rate_limiter: RateLimiter | None = None
     prioritized: Prioritized | None = None
+    episodes: bool = False
+    meta_fields: Schema | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.schema, Schema):
@@ -113,9 +121,34 @@ class BufferConfig:
                 raise InvalidConfigError(f"prioritized must be a Prioritized, got {self.prioritized!r}")
             if self.mode != "replay":
                 raise InvalidConfigError("a prioritized buffer samples in mode='replay' only")
+        self._check_episodes()
         for name, value in (("hot_capacity", hot), ("total_capacity", total),
                             ("max_times_sampled", limit), ("rate_limiter", limiter)):
             object.__setattr__(self, name, value)
+
+    def _check_episodes(self) -> None:
+        if not isinstance(self.episodes, bool):
+            raise InvalidConfigError(f"episodes must be True or False, got {self.episodes!r}")
+        if not self.episodes:
+            if self.meta_fields is not None:
+                raise InvalidConfigError("meta_fields are values per episode: give episodes=True")
+            return
+        if self.mode != "replay":
+            raise InvalidConfigError(f"a {self.mode} removes what it returns: episodes are "
+                                     "for mode='replay'")
+        taken = set(self.schema.names) & set(EPISODE_KEYS)
+        if taken:
+            raise InvalidConfigError(f"field names {sorted(taken)} are taken by the keys of "
+                                     "episodic samples")
+        meta = self.meta_fields
+        if meta is None:
+            return
+        if not isinstance(meta, Schema):
+            raise InvalidConfigError(f"meta_fields must be a millpond Schema, got {meta!r}")
+        taken = set(meta.names) & (set(self.schema.names) | set(EPISODE_KEYS))
+        if taken:
+            raise InvalidConfigError(f"meta field names {sorted(taken)} are taken by record "
+                                     "fields or by the keys of episodic samples")
 
     # ---- the one resolution of user-facing arguments -----------------------------
 
@@ -135,6 +168,8 @@ class BufferConfig:
         prioritized: bool | Prioritized | None = False,
         alpha: float = 0.6,
         beta: float = 0.4,
+        episodes: bool = False,
+        meta_fields: Any = None,
     ) -> "BufferConfig":
         """The config for the arguments users give (constructors, ``create_buffer``, TOML).
 
@@ -143,7 +178,8 @@ class BufferConfig:
         ``total_capacity`` alone is RAM only too. Schema: ``fields``
         (``{name: (dtype, shape)}`` or a Schema) or ``obs_dim`` + ``act_dim``
         (the reference's transitions). ``prioritized=True`` uses ``alpha``
-        and ``beta``.
+        and ``beta``. ``meta_fields``: ``{name: (dtype, shape)}``, a bare
+        dtype meaning a scalar (``{"task_id": "int64"}``), or a Schema.
         """
         hot, total = resolve_capacities(capacity, hot_capacity, total_capacity)
         if isinstance(rate_limiter, Mapping):  # RateLimiter.to_dict()'s form
@@ -153,7 +189,8 @@ class BufferConfig:
         elif prioritized is False or prioritized is None:
             prioritized = None
         return cls(Schema.resolve(obs_dim, act_dim, fields), hot, total, mode,
-                   max_times_sampled, rate_limiter, prioritized)
+                   max_times_sampled, rate_limiter, prioritized, episodes,
+                   meta_schema(meta_fields))
 
     # ---- derived values --------------------------------------------------------------
 
@@ -193,6 +230,8 @@ class BufferConfig:
             "max_times_sampled": self.max_times_sampled,
             "rate_limiter": self.rate_limiter and self.rate_limiter.to_dict(),
             "prioritized": prioritized and {"alpha": prioritized.alpha, "beta": prioritized.beta},
+            "episodes": self.episodes,
+            "meta_fields": self.meta_fields and self.meta_fields.spec(),
         }
 
     @classmethod
@@ -203,7 +242,8 @@ class BufferConfig:
         return cls(schema, meta["hot_capacity"], meta["total_capacity"],
                    meta.get("mode", "replay"), meta.get("max_times_sampled"),
                    limiter and RateLimiter.from_dict(limiter),
-                   prioritized and Prioritized(prioritized["alpha"], prioritized["beta"]))
+                   prioritized and Prioritized(prioritized["alpha"], prioritized["beta"]),
+                   meta.get("episodes", False), meta_schema(meta.get("meta_fields")))
 
 
 class ConfiguredBuffer:
@@ -223,6 +263,18 @@ class ConfiguredBuffer:
     @property
     def total_capacity(self) -> int:
         return self.config.total_capacity
+
+
+def meta_schema(meta_fields: Any) -> Schema | None:
+    """The Schema of ``meta_fields`` (see :meth:`BufferConfig.build`); None for none."""
+    if meta_fields is None or isinstance(meta_fields, Schema):
+        return meta_fields
+    if not isinstance(meta_fields, Mapping):
+        raise InvalidConfigError("meta_fields must be a mapping name -> (dtype, shape)")
+    if not meta_fields:
+        return None
+    return Schema.from_spec({name: spec if isinstance(spec, (tuple, list)) else (spec, ())
+                             for name, spec in meta_fields.items()})
 
 
 def resolve_capacities(capacity: Any, hot_capacity: Any, total_capacity: Any) -> tuple[Any, Any]:

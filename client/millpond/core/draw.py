@@ -23,8 +23,11 @@ corrupt one (see :meth:`Proportional.restore`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from ..errors import NotEnoughDataError
 from .bufferfile import BufferFile
 from .config import BufferConfig, Prioritized
 from .fifo import Fifo
@@ -36,8 +39,8 @@ COUNT_ARRAYS = {"times_sampled": "<u4"}
 SAMPLE_EXTRAS = ("weights", "indices")
 
 
-def slot_arrays_for(config: BufferConfig) -> dict[str, str]:
-    """The slot arrays a persistent buffer with ``config`` keeps in its file."""
+def strategy_arrays(config: BufferConfig) -> dict[str, str]:
+    """The slot arrays a persistent buffer with ``config`` keeps for its strategy."""
     arrays = {}
     if config.prioritized is not None:
         arrays.update(PRIORITY_ARRAYS)
@@ -88,8 +91,15 @@ class Uniform:
         """Which of the live ``seqs`` may still be drawn."""
         return np.ones(len(seqs), bool)
 
-    def draw(self, rng: np.random.Generator, k: int) -> tuple[np.ndarray, dict]:
-        """``k`` seqs and the extra keys of the sample (lock held, ``k`` records drawable)."""
+    def draw(self, rng: np.random.Generator, k: int, among: np.ndarray | None = None
+             ) -> tuple[np.ndarray, dict]:
+        """``k`` seqs and the extra keys of the sample (lock held, ``k`` records drawable).
+
+        ``among``: draw only from these live seqs (sorted, no holes; an
+        episodic filter's candidates), in proportion to the same weights.
+        """
+        if among is not None:
+            return among[rng.integers(0, len(among), size=k)], {}
         fifo = self.fifo
         seqs = rng.integers(fifo.first, fifo.pushed, size=k)
         if len(fifo.holes):  # redraw any damaged record: uniform over the intact
@@ -126,6 +136,18 @@ class _Tree(Uniform):
         """Take ``slots`` out of the draw until a record is appended there."""
         self.tree.update(slots, np.zeros(len(slots)), unset=np.ones(len(slots), bool))
 
+    def draw_among(self, rng: np.random.Generator, k: int, among: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``k`` of the seqs ``among`` drawn by their leaves' weights: the seqs, their
+        weights, and the weights of all of ``among``. NotEnoughDataError if all are 0."""
+        values = self.tree.get(among % self.fifo.total_capacity)
+        mass = values.sum()
+        if not mass > 0:
+            raise NotEnoughDataError(
+                "no record of the episodes asked for can be drawn (priority 0, or used up)")
+        picked = rng.choice(len(among), size=k, p=values / mass)
+        return among[picked], values[picked], values
+
     def _live_slots(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """After a reopen: the live seqs, their slots, and which are holes."""
         fifo = self.fifo
@@ -144,7 +166,10 @@ class UniformTree(_Tree):
         _, slots, holes = self._live_slots()
         self.tree.update(slots, np.ones(len(slots)), unset=holes)
 
-    def draw(self, rng: np.random.Generator, k: int) -> tuple[np.ndarray, dict]:
+    def draw(self, rng: np.random.Generator, k: int, among: np.ndarray | None = None
+             ) -> tuple[np.ndarray, dict]:
+        if among is not None:
+            return self.draw_among(rng, k, among)[0], {}
         return self.seqs_of(self.tree.find(rng.random(k) * self.tree.total)), {}
 
 
@@ -237,7 +262,22 @@ class Proportional(_Tree):
         self.file = None
         self.persisted = False
 
-    def draw(self, rng: np.random.Generator, k: int) -> tuple[np.ndarray, dict]:
+    def mass(self) -> tuple[float, float]:
+        """``(total, min)`` of ``priority ** alpha`` over the drawable records (min:
+        the smallest non-zero, +inf if none): what the draw and the weights use."""
+        return self.tree.total, self.tree.min
+
+    def state(self) -> dict[str, Any]:
+        """What a prioritized buffer's ``info()`` reports of its priorities."""
+        total, smallest = self.mass()
+        return {"beta": self.beta, "max_priority": self.max_priority,
+                "priority_total": total, "priority_min": smallest}
+
+    def draw(self, rng: np.random.Generator, k: int, among: np.ndarray | None = None
+             ) -> tuple[np.ndarray, dict]:
+        if among is not None:
+            seqs, values, weighed = self.draw_among(rng, k, among)
+            return seqs, self._extras(seqs, values, weighed[weighed > 0].min())
         tree = self.tree
         total = tree.total
         if not total > 0:  # every priority is zero: nothing is more likely than anything
@@ -247,13 +287,17 @@ class Proportional(_Tree):
         prefix *= total
         leaves, values = tree.find_values(prefix)
         seqs = self.seqs_of(leaves)
-        smallest = tree.min
+        return seqs, self._extras(seqs, values, tree.min)
+
+    def _extras(self, seqs: np.ndarray, values: np.ndarray, smallest: float) -> dict:
+        """``weights`` and ``indices`` of the records ``seqs`` drawn by ``values`` (their
+        ``priority ** alpha``), ``smallest`` being the least non-zero one drawable."""
         if smallest > 0:
             weights = values / smallest
             np.power(weights, -self.beta, out=weights)
         else:  # a priority so small that ** alpha underflowed: P_min is 0
-            weights = np.full(k, 1.0 if self.beta == 0 else 0.0)
-        return seqs, {"weights": weights.astype(np.float32), "indices": seqs.copy()}
+            weights = np.full(len(seqs), 1.0 if self.beta == 0 else 0.0)
+        return {"weights": weights.astype(np.float32), "indices": seqs.copy()}
 
 
 class UseLimit:
@@ -302,14 +346,20 @@ class UseLimit:
         self.times = np.zeros(0, np.uint32)  # it may view the file's map, which must close
         self.inner.release()
 
-    def draw(self, rng: np.random.Generator, k: int) -> tuple[np.ndarray, dict]:
+    def draw(self, rng: np.random.Generator, k: int, among: np.ndarray | None = None
+             ) -> tuple[np.ndarray, dict]:
         """Draw, then count the draws against the limit.
 
         Draws are with replacement, so one batch may draw a record more often
         than it has draws left: those surplus rows are redrawn among the
         records not used up. A record reaching the limit leaves the tree.
         """
-        seqs, extras = self.inner.draw(rng, k)
+        if among is not None:  # checked first: a draw that runs out changes nothing
+            left = self.limit - self.times[among % self.fifo.total_capacity].astype(np.int64)
+            if np.clip(left, 0, None).sum() < k:
+                raise NotEnoughDataError(f"the records of the episodes asked for have fewer "
+                                         f"than {k} draws left")
+        seqs, extras = self.inner.draw(rng, k, among)
         limit, times = self.limit, self.times
         pending = np.arange(len(seqs))
         while len(pending):
@@ -329,7 +379,7 @@ class UseLimit:
             self.inner.exclude(done)
             pending = pending[surplus]
             if len(pending):  # the size check before sampling leaves enough draws
-                redrawn, more = self.inner.draw(rng, len(pending))
+                redrawn, more = self.inner.draw(rng, len(pending), among)
                 seqs[pending] = redrawn
                 for key, column in more.items():
                     extras[key][pending] = column

@@ -12,7 +12,7 @@ Not thread-safe: the buffer holds its lock around every call.
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -52,7 +52,7 @@ class Fifo:
         self.sync_every_push = sync_every_push
         self.pushed = self.first = self.hot_lo = 0
         self.holes = np.empty(0, np.int64)
-        self.listener: FifoListener | None = None
+        self.listeners: Sequence[FifoListener] = ()
 
     @property
     def size(self) -> int:
@@ -72,7 +72,8 @@ class Fifo:
 
     # ---- writes ----------------------------------------------------------------
 
-    def append(self, n: int, batch: Mapping[str, np.ndarray]) -> tuple[int, int]:
+    def append(self, n: int, batch: Mapping[str, np.ndarray],
+               before_commit: Callable[[int, int], None] | None = None) -> tuple[int, int]:
         """Store a validated batch of ``n`` records; return its seqs ``(old, new)``.
 
         A durable FIFO commits in three steps, so that a crash at any point
@@ -80,14 +81,16 @@ class Fifo:
         are declared gone before their slots are reused; (2) hot records
         moved to cold are declared cold before their hot slots are reused;
         (3) the new records become live. A crash before (3) leaves the push
-        absent.
+        absent. ``before_commit(old, new)`` runs just before (3), once the
+        records are written: what it writes about them is in place whenever
+        they are live.
         """
         old, new = self.pushed, self.pushed + n
         first = max(self.first, new - self.total_capacity)
         hot_lo = max(self.hot_lo, new - self.hot_capacity)
         self._commit(old, first, self.hot_lo)  # (1) evictions
-        if self.listener is not None:
-            self.listener.reusing(max(old, new - self.total_capacity), new)
+        for listener in self.listeners:
+            listener.reusing(max(old, new - self.total_capacity), new)
         if self.cold is not None:
             # Hot records pushed out by this batch move to cold; a batch larger
             # than the hot ring sends its own head straight to cold.
@@ -97,6 +100,8 @@ class Fifo:
                 self.cold.write(max(first, old), hot_lo, batch, old)
         self._commit(old, first, hot_lo)  # (2) spilled records now read from cold
         self.hot.write(max(old, hot_lo), new, batch, old)
+        if before_commit is not None:
+            before_commit(old, new)
         self._commit(new, first, hot_lo, always=True)  # (3) the push is in
         return old, new
 
@@ -124,8 +129,9 @@ class Fifo:
         """
         first = min(first, pushed)
         hot_lo = min(max(hot_lo, first), pushed)
-        if first > self.first and self.listener is not None:
-            self.listener.evicting(self.first, first)
+        if first > self.first:
+            for listener in self.listeners:
+                listener.evicting(self.first, first)
         self.pushed, self.first, self.hot_lo = pushed, first, hot_lo
         if len(self.holes):  # damaged records leave with the evicted ones (or popped)
             self.holes = self.holes[(self.holes >= first) & (self.holes < pushed)]
@@ -155,6 +161,30 @@ class Fifo:
         if not hot_first:
             self.hot.gather(hot_seqs, out, len(cold_seqs))
         return dict(out)
+
+    def gather_rows(self, seqs: np.ndarray, names: Sequence[str] | None = None,
+                    out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Records ``seqs`` (live; any shape) as ``{name: array[*seqs.shape, *field shape]}``,
+        row for row: fields ``names`` (default: all), into ``out``'s arrays if given
+        (C-contiguous, e.g. shared memory). Records all in one tier (the usual case) are
+        copied once; otherwise each tier's rows are gathered, then scattered."""
+        fields = [self.schema[name] for name in names or self.schema.names]
+        flat = seqs.reshape(-1)
+        result = {f.name: (np.empty(seqs.shape + f.shape, f.dtype) if out is None
+                           else out[f.name]) for f in fields}
+        rows = {name: array.reshape((len(flat),) + array.shape[seqs.ndim:])
+                for name, array in result.items()}
+        is_hot = flat >= self.hot_lo
+        if is_hot.all() or not is_hot.any():
+            tier = self.hot if is_hot.all() else self.cold
+            assert tier is not None
+            tier.gather(flat, rows, 0)
+        else:
+            order = np.argsort(is_hot, kind="stable")
+            gathered = self.gather(flat[order], {n: np.empty_like(a) for n, a in rows.items()})
+            for name, column in gathered.items():
+                rows[name][order] = column
+        return result
 
     def tier_order(self, seqs: np.ndarray) -> np.ndarray:
         """The permutation that puts ``seqs`` in :meth:`gather`'s row order (cold first)."""

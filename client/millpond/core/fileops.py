@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
 
 from ..errors import InvalidConfigError, StorageFullError
 
@@ -47,3 +48,10 @@ def unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def temp_path() -> str:
+    """A new file's path in the system's temp directory (for a buffer given none)."""
+    fd, path = tempfile.mkstemp(prefix="millpond-", suffix=".buffer")
+    os.close(fd)
+    return path

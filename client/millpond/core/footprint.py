@@ -2,24 +2,48 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from .bufferfile import BufferFile
 from .config import BufferConfig
-from .draw import slot_arrays_for
+from .draw import COUNT_ARRAYS, strategy_arrays
+from .episodes import episode_arrays
 from .sumtree import tree_nbytes
+from .checksum import CHECKSUM_DTYPE
 from .tier import SEQ_DTYPE
 
 
 def memory_needed(config: BufferConfig, persistent: bool) -> int:
-    """Bytes of RAM a buffer with ``config`` allocates beside its file: the sum tree
-    of a prioritized or use-limited buffer, RAM draw counts, a RAM hot tier."""
-    total = config.total_capacity
+    """Bytes of RAM a buffer with ``config`` keeps resident: its hot tier (in RAM, or
+    in its file and locked there), the sum tree of a prioritized or use-limited
+    buffer, RAM draw counts. The cold tier lives on disk."""
+    return hot_nbytes(config, persistent) + side_nbytes(config, persistent)
+
+
+def hot_nbytes(config: BufferConfig, persistent: bool) -> int:
+    """The hot tier's bytes: records, seqs and (persistent) checksums."""
+    per_record = config.schema.record_nbytes + SEQ_DTYPE.itemsize
+    return config.hot_capacity * (per_record + (CHECKSUM_DTYPE.itemsize if persistent else 0))
+
+
+def slot_arrays_for(config: BufferConfig) -> dict[str, str]:
+    """The per-slot arrays of a buffer with ``config`` (``{name: dtype}``): in its file if
+    it is persistent, in RAM otherwise. Priorities and draw counts, episodes."""
+    arrays = strategy_arrays(config)
+    if config.episodes:
+        arrays.update(episode_arrays(config.meta_fields))
+    return arrays
+
+
+def side_nbytes(config: BufferConfig, persistent: bool) -> int:
+    """RAM beside the hot tier: sum trees, and per-slot arrays not kept in a file."""
     needed = 0
     if config.prioritized is not None or config.max_times_sampled:
-        needed += tree_nbytes(total)
-    if config.max_times_sampled and not persistent:
-        needed += 4 * total
-    if not persistent:
-        needed += config.hot_capacity * (config.schema.record_nbytes + SEQ_DTYPE.itemsize)
+        needed += tree_nbytes(config.total_capacity)
+    if not persistent:  # draw counts and episodes in RAM (priorities: only in the tree)
+        arrays = dict(COUNT_ARRAYS) if config.max_times_sampled else {}
+        arrays.update(episode_arrays(config.meta_fields) if config.episodes else {})
+        needed += config.total_capacity * sum(np.dtype(dt).itemsize for dt in arrays.values())
     return needed
 
 

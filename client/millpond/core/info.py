@@ -26,12 +26,25 @@ class BufferInfo(ConfiguredBuffer, Mapping[str, Any]):
     ``sample_waits`` (calls that had to wait for the rate limiter),
     ``insert_wait_seconds`` / ``sample_wait_seconds`` (time they waited),
     ``waiting_inserts`` / ``waiting_samples`` (calls waiting now).
+    ``memory_needed``: bytes of RAM the buffer keeps resident (its hot tier,
+    sum trees), beside ``memory_limit``, what the process may use (machine or
+    memory cgroup; 0 if unknown). Episodic buffers count ``episodes``
+    (complete: ended, first record live) and ``episodes_in_progress`` (not
+    ended, with a live record).
     ``path`` is the buffer's file (on a server: relative to its data
     directory). A prioritized buffer also reports ``beta``, its current
-    importance-sampling exponent, and ``max_priority``, the priority a record
-    pushed without one gets (the largest seen). The config's settings are keys too: ``hot_capacity``,
+    importance-sampling exponent, ``max_priority``, the priority a record
+    pushed without one gets (the largest seen), and ``priority_total`` /
+    ``priority_min``, the sum and the smallest non-zero of ``priority **
+    alpha`` over the records it may draw (what a sharded client weighs shards
+    and importance weights by). The config's settings are keys too: ``hot_capacity``,
     ``total_capacity``, ``record_nbytes``, ``fields``, ``mode``,
     ``max_times_sampled``, ``rate_limiter``, ``prioritized``.
+
+    ``shards`` (an attribute, not a key) is empty except in the info of a
+    sharded buffer (:mod:`millpond.sharded`): one :class:`ShardInfo` per
+    shard, whose sums the other numbers are; ``degraded`` says whether one
+    of them did not answer.
     """
 
     config: BufferConfig
@@ -39,6 +52,8 @@ class BufferInfo(ConfiguredBuffer, Mapping[str, Any]):
     path: str | None = None
     beta: float | None = None
     max_priority: float | None = None
+    priority_total: float | None = None
+    priority_min: float | None = None
     size: int = 0
     pushed: int = 0
     hot_size: int = 0
@@ -53,6 +68,16 @@ class BufferInfo(ConfiguredBuffer, Mapping[str, Any]):
     sample_wait_seconds: float = 0.0
     waiting_inserts: int = 0
     waiting_samples: int = 0
+    memory_needed: int = 0
+    memory_limit: int = 0
+    episodes: int = 0
+    episodes_in_progress: int = 0
+    shards: tuple["ShardInfo", ...] = ()
+
+    @property
+    def degraded(self) -> bool:
+        """A sharded buffer's info only: some shard did not answer (its numbers are missing)."""
+        return any(not shard.live for shard in self.shards)
 
     # ---- the config's settings, as keys ------------------------------------------
 
@@ -82,6 +107,11 @@ class BufferInfo(ConfiguredBuffer, Mapping[str, Any]):
         p = self.config.prioritized
         return None if p is None else {"alpha": p.alpha, "beta": p.beta}
 
+    @property
+    def meta_fields(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+        meta = self.config.meta_fields
+        return None if meta is None else meta.spec()
+
     # ---- the mapping -----------------------------------------------------------------
 
     def __getitem__(self, key: str) -> Any:
@@ -99,12 +129,27 @@ class BufferInfo(ConfiguredBuffer, Mapping[str, Any]):
         return f"BufferInfo({dict(self)!r})"
 
 
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard of a sharded buffer: its index, address, and its info (None if it
+    did not answer; ``error`` says why)."""
+
+    index: int
+    address: str
+    info: BufferInfo | None = None
+    error: str | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.info is not None
+
+
 # Numbers of prioritized buffers only (None otherwise; optional fields on the wire).
-PRIORITY_STATE = ("beta", "max_priority")
+PRIORITY_STATE = ("beta", "max_priority", "priority_total", "priority_min")
 # Numbers that travel as they are (the wire message has a field of each name).
 COUNTERS: tuple[str, ...] = tuple(
     f.name for f in fields(BufferInfo)
-    if f.name not in ("config", "name", "path", *PRIORITY_STATE))
+    if f.name not in ("config", "name", "path", "shards", *PRIORITY_STATE))
 SETTINGS = ("hot_capacity", "total_capacity", "record_nbytes", "fields", "mode",
-            "max_times_sampled", "rate_limiter", "prioritized")
+            "max_times_sampled", "rate_limiter", "prioritized", "meta_fields")
 KEYS: tuple[str, ...] = ("name", "path", *COUNTERS, *SETTINGS, *PRIORITY_STATE)

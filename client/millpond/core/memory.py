@@ -1,10 +1,17 @@
-"""How much memory this process may still use: the machine's, capped by its memory cgroup.
+"""How much memory this process may use: the machine's, capped by its memory cgroup.
 
-Containers see the host's ``/proc/meminfo``, so the cgroup limit (v2
-``memory.max``, v1 ``memory.limit_in_bytes``) minus current usage counts too.
+Containers see the host's ``/proc/meminfo``, so the limits of the process's
+memory cgroup (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) count too.
+What a cgroup holds in page cache it can drop (inactive file pages), so it is
+not counted as used, as ``MemAvailable`` does not count it either.
 """
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+from typing import Iterator
 
 from ..errors import StorageFullError
 
@@ -17,36 +24,48 @@ def check_available(needed: int, what: str) -> None:
     if available is not None and needed > available:
         raise StorageFullError(
             f"{what} needs {needed:,} bytes of memory; only {available:,} are available "
-            "(machine, or memory cgroup limit)")
+            f"(machine, or memory cgroup limit {memory_limit() or 0:,})")
+
+
+def memory_limit() -> int | None:
+    """The most memory this process may use: MemTotal, or its cgroup's limit if lower."""
+    known = [_read_int("/proc/meminfo", "MemTotal:", 1024)]
+    known += [limit for limit, _, _ in _cgroups()]
+    values = [v for v in known if v is not None]
+    return min(values) if values else None
 
 
 def available_memory() -> int | None:
-    """Bytes this process may still use: MemAvailable, capped by its memory cgroup.
+    """Bytes this process may still use: MemAvailable, capped by what its cgroup allows."""
+    known = [_read_int("/proc/meminfo", "MemAvailable:", 1024)]
+    for limit, used, reclaimable in _cgroups():
+        if used is not None:
+            known.append(limit - used + (reclaimable or 0))
+    values = [v for v in known if v is not None]
+    return min(values) if values else None
 
-    Containers see the host's /proc/meminfo, so the cgroup limit (v2
-    ``memory.max``, v1 ``memory.limit_in_bytes``) minus current usage counts too.
-    """
-    candidates = [_read_int("/proc/meminfo", "MemAvailable:", 1024)]
+
+def _cgroups() -> Iterator[tuple[int, int | None, int | None]]:
+    """``(limit, usage, inactive file bytes)`` of each memory cgroup that limits us."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = f.read().splitlines()
     except OSError:
-        lines = []
+        return
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # cgroup v2
             base = f"/sys/fs/cgroup{path}"
-            limit, usage = f"{base}/memory.max", f"{base}/memory.current"
+            files = ("memory.max", "memory.current", "inactive_file ")
         elif "memory" in controllers.split(","):  # cgroup v1
             base = f"/sys/fs/cgroup/memory{path}"
-            limit, usage = f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes"
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file ")
         else:
             continue
-        cap, used = _read_int(limit), _read_int(usage)
-        if cap is not None and used is not None:
-            candidates.append(cap - used)
-    known = [c for c in candidates if c is not None]
-    return min(known) if known else None
+        limit = _read_int(f"{base}/{files[0]}")
+        if limit is not None and limit < 1 << 60:  # v1 says "no limit" with a huge number
+            yield (limit, _read_int(f"{base}/{files[1]}"),
+                   _read_int(f"{base}/memory.stat", files[2]))
 
 
 def _read_int(path: str, prefix: str = "", scale: int = 1) -> int | None:
@@ -59,3 +78,19 @@ def _read_int(path: str, prefix: str = "", scale: int = 1) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def keep_resident(mm: mmap.mmap, offset: int, length: int, address: int) -> bool:
+    """Keep ``length`` bytes of the mapping ``mm`` at ``offset`` (``address`` in memory)
+    resident: ``mlock`` them, or where that is not permitted (RLIMIT_MEMLOCK) at
+    least read them in ahead (``MADV_WILLNEED``). True if locked."""
+    start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    length += offset - start
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.mlock(ctypes.c_void_p(address - (offset - start)), ctypes.c_size_t(length)) == 0:
+            return True
+    except (OSError, AttributeError):
+        pass
+    mm.madvise(mmap.MADV_WILLNEED, start, length)
+    return False

@@ -266,3 +266,48 @@ class RateState:
             "waiting_inserts": self.waiting["insert"],
             "waiting_samples": self.waiting["sample"],
         }
+
+
+class RateWaits:
+    """The buffer's calls for waiters outside it (a server's event loop): a mixin of
+    :class:`~.buffer.TieredBuffer`, over its lock, :class:`RateState` and size."""
+
+    _lock: threading.Lock
+    _rate: RateState
+    _closed: bool
+    _size: Callable[[], int]
+    _sample_ready: Callable[[int], bool]
+
+    def describe_rate(self) -> str:
+        """The rate limiter's state in words (for timeout messages)."""
+        with self._lock:
+            return self._rate.describe(self._size())
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (cheap, non-blocking, lock held) after every change that
+        may let a rate-limited push or sample proceed, and at close: for waiters
+        that cannot sleep on this buffer's condition, like an event loop."""
+        with self._lock:
+            self._rate.add_listener(listener)
+
+    def would_wait(self, kind: str, n: int) -> bool:
+        """Whether a push (``kind="insert"``) or sample of ``n`` records would wait now.
+
+        A hint read without the lock: the call itself decides (a closed buffer
+        never waits: the call raises).
+        """
+        if self._closed:
+            return False
+        if kind == "insert":
+            return not self._rate.can_insert(n, self._size())
+        return not self._sample_ready(n)
+
+    def wait_started(self, kind: str) -> None:
+        """Count a call of ``kind`` ("insert", "sample") that waits outside the buffer,
+        so that the statistics stay in one place. For a server, whose engine
+        calls never wait themselves: its one waiting thread (the event loop)
+        makes these calls, without the buffer's lock."""
+        self._rate.wait_started(kind)
+
+    def wait_ended(self, kind: str, seconds: float) -> None:
+        self._rate.wait_ended(kind, seconds)

@@ -199,15 +199,7 @@ class Schema:
     def coerce_record(self, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Validate one record and return it as a batch of length 1."""
         self._check_names(record)
-        out = {}
-        for f in self.fields:
-            arr = _as_array(f.name, record[f.name])
-            if arr.shape != f.shape and not (arr.ndim <= 1 and arr.size == f.size):
-                raise ShapeMismatchError(
-                    f"field {f.name!r}: expected shape {f.shape}, got {arr.shape}"
-                )
-            out[f.name] = _fit(f, arr.reshape((1,) + f.shape), 1)
-        return out
+        return {f.name: check_value(f, record[f.name])[np.newaxis] for f in self.fields}
 
     def _check_names(self, columns: Mapping[str, Any]) -> None:
         if not isinstance(columns, Mapping):
@@ -251,6 +243,16 @@ def transition_spec(obs_dim: int, act_dim: int) -> dict[str, tuple[str, tuple[in
         "terminated": ("bool", ()),
         "truncated": ("bool", ()),
     }
+
+
+def check_value(field: Field, value: Any) -> np.ndarray:
+    """One value of ``field`` as an array of its shape and dtype (flat input of the
+    right size is reshaped); conversions as for batches."""
+    arr = _as_array(field.name, value)
+    if arr.shape != field.shape and not (arr.ndim <= 1 and arr.size == field.size):
+        raise ShapeMismatchError(
+            f"field {field.name!r}: expected shape {field.shape}, got {arr.shape}")
+    return _fit(field, arr.reshape((1,) + field.shape), 1)[0]
 
 
 def _as_array(name: str, value: Any) -> np.ndarray:

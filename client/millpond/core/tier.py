@@ -13,6 +13,7 @@ from typing import Mapping
 import numpy as np
 
 from .checksum import record_checksums
+from .coldio import TierFile
 from .ring import ring_chunks
 from .schema import Schema
 
@@ -20,6 +21,12 @@ from .schema import Schema
 # is ~20% of a CartPole record), and a slot check "does slot hold record s?"
 # can only be fooled by a record 2**32 pushes newer landing in the same slot.
 SEQ_DTYPE = np.dtype("<u4")
+# The names of the seq and checksum regions in a file (not identifiers, so no field's).
+SEQ_REGION = "#seq"
+CHECKSUM_REGION = "#checksum"
+# Recovery reads records this many bytes at a time.
+CHECK_CHUNK_BYTES = 32 << 20
+CHECK_CHUNK_RECORDS = 1 << 16  # and at most this many (progress reports come per chunk)
 
 
 class Tier:
@@ -31,15 +38,19 @@ class Tier:
     the buffer's counters first; the seq column confirms it.
 
     A tier in a persistent file also has a ``checksum`` column (see
-    :mod:`.checksum`), written after the record's payload and seq.
+    :mod:`.checksum`), written after the record's payload and seq. A tier
+    with a ``file`` (the cold tier) is written with ``pwrite`` and its large
+    rows are read with ``preadv`` (see :mod:`.coldio`); the columns are the
+    file's mapping, for small rows and checks.
     """
 
     def __init__(self, capacity: int, columns: dict[str, np.ndarray], seq: np.ndarray,
-                 checksum: np.ndarray | None = None):
+                 checksum: np.ndarray | None = None, file: TierFile | None = None):
         self.capacity = capacity
         self.columns = columns
         self.seq = seq
         self.checksum = checksum
+        self.file = file
 
     @classmethod
     def in_memory(cls, schema: Schema, capacity: int) -> "Tier":
@@ -51,57 +62,87 @@ class Tier:
         """Store records ``start..stop-1`` taken from ``batch`` (row 0 is ``first_seq``)."""
         for lo, hi in ring_chunks(start, stop, self.capacity):
             slot, row = lo % self.capacity, lo - first_seq
-            for name, column in self.columns.items():
-                column[slot : slot + hi - lo] = batch[name][row : row + hi - lo]
+            rows = {name: batch[name][row : row + hi - lo] for name in self.columns}
             seqs = np.arange(lo, hi, dtype=np.uint64)
-            self.seq[slot : slot + hi - lo] = seqs.astype(SEQ_DTYPE)
-            if self.checksum is not None:  # over the stored bytes, after them
-                stored = {name: column[slot : slot + hi - lo] for name, column in self.columns.items()}
-                self.checksum[slot : slot + hi - lo] = record_checksums(stored, seqs)
+            # The checksum of the bytes stored: the batch is in the storage dtypes.
+            checksums = record_checksums(rows, seqs) if self.checksum is not None else None
+            self._store(slot, rows, seqs.astype(SEQ_DTYPE), checksums)
 
     def copy_to(self, other: "Tier", start: int, stop: int) -> None:
         """Copy records ``start..stop-1`` (all held here) into ``other``."""
         for lo, hi in ring_chunks(start, stop, self.capacity, other.capacity):
             src, dst, k = lo % self.capacity, lo % other.capacity, hi - lo
-            for name, column in self.columns.items():
-                other.columns[name][dst : dst + k] = column[src : src + k]
-            other.seq[dst : dst + k] = self.seq[src : src + k]
+            rows = {name: column[src : src + k] for name, column in self.columns.items()}
+            checksums = None
             if other.checksum is not None:
-                other.checksum[dst : dst + k] = (
-                    self.checksum[src : src + k] if self.checksum is not None
-                    else record_checksums({n: c[dst : dst + k] for n, c in other.columns.items()},
-                                          np.arange(lo, hi, dtype=np.uint64))
-                )
+                checksums = (self.checksum[src : src + k] if self.checksum is not None
+                             else record_checksums(rows, np.arange(lo, hi, dtype=np.uint64)))
+            other._store(dst, rows, self.seq[src : src + k], checksums)
+
+    def _store(self, slot: int, rows: Mapping[str, np.ndarray], seqs: np.ndarray,
+               checksums: np.ndarray | None) -> None:
+        """Write contiguous rows from ``slot`` on: payload, then seq, then checksum."""
+        k = len(seqs)
+        for name, column in self.columns.items():
+            if self.file is not None and self.file.direct(name):
+                self.file.write_rows(name, slot, rows[name])  # no old page faulted in
+            else:
+                column[slot : slot + k] = rows[name]
+        self.seq[slot : slot + k] = seqs
+        if checksums is not None and self.checksum is not None:
+            self.checksum[slot : slot + k] = checksums
 
     def gather(self, seqs: np.ndarray, out: Mapping[str, np.ndarray], row: int) -> None:
-        """Copy records ``seqs`` (all held here) into ``out[name][row:row+len(seqs)]``."""
+        """Copy records ``seqs`` (all held here) into ``out[name][row:row+len(seqs)]``,
+        for each field ``out`` has."""
         if len(seqs) == 0:
             return
         slots = seqs % self.capacity
         stop = row + len(slots)
+        reads = {}
         for name, column in self.columns.items():
-            # mode="clip" skips numpy's per-index bounds check (2x faster);
-            # slots are in range by construction.
-            column.take(slots, axis=0, out=out[name][row:stop], mode="clip")
+            dest = out.get(name)
+            if dest is None:
+                continue
+            if self.file is not None and self.file.direct(name):
+                reads[name] = dest[row:stop]
+            else:
+                # mode="clip" skips numpy's per-index bounds check (2x faster);
+                # slots are in range by construction.
+                column.take(slots, axis=0, out=dest[row:stop], mode="clip")
+        if reads:
+            assert self.file is not None
+            self.file.read_rows(slots, reads)
 
-    def damaged(self, lo: int, hi: int, progress=None, chunk: int = 1 << 16) -> np.ndarray:
+    def damaged(self, lo: int, hi: int, progress=None,
+                chunk_bytes: int = CHECK_CHUNK_BYTES) -> np.ndarray:
         """Seqs in ``[lo, hi)`` (all meant to be held here) whose slot fails its checks.
 
         A slot fails if its seq column names another record, or (with a
-        checksum column) if its bytes do not match their checksum.
-        ``progress(records_checked)`` is called after every chunk.
+        checksum column) if its bytes do not match their checksum. Records
+        are read in order, ``chunk_bytes`` at a time, as views of the file:
+        memory stays bounded whatever the records' size. A file tier's pages
+        are dropped from the page cache once checked (recovery must not leave
+        the cold tier resident). ``progress(records_checked)`` is called
+        after every chunk.
         """
+        per_record = sum(column.strides[0] for column in self.columns.values()) + 6
+        chunk = max(1, min(CHECK_CHUNK_RECORDS, chunk_bytes // per_record))
         bad = []
         for start in range(lo, hi, chunk):
             if progress is not None and start > lo:
                 progress(start - lo)
-            seqs = np.arange(start, min(hi, start + chunk), dtype=np.int64)
-            slots = seqs % self.capacity
-            wrong = self.seq[slots] != (seqs & 0xFFFFFFFF).astype(SEQ_DTYPE)
-            if self.checksum is not None:
-                stored = {name: column[slots] for name, column in self.columns.items()}
-                wrong |= self.checksum[slots] != record_checksums(stored, seqs)
-            bad.append(seqs[wrong])
+            for a, b in ring_chunks(start, min(hi, start + chunk), self.capacity):
+                first, k = a % self.capacity, b - a
+                seqs = np.arange(a, b, dtype=np.int64)
+                wrong = self.seq[first : first + k] != (seqs & 0xFFFFFFFF).astype(SEQ_DTYPE)
+                if self.checksum is not None:
+                    stored = {name: column[first : first + k]
+                              for name, column in self.columns.items()}
+                    wrong |= self.checksum[first : first + k] != record_checksums(stored, seqs)
+                bad.append(seqs[wrong])
+                if self.file is not None:
+                    self.file.forget(first, first + k)
         return np.concatenate(bad) if bad else np.empty(0, np.int64)
 
     def release(self) -> None:
@@ -109,3 +150,4 @@ class Tier:
         self.columns = {}
         self.seq = np.empty(0, SEQ_DTYPE)
         self.checksum = None
+        self.file = None

@@ -104,6 +104,40 @@ def sample_layout(schema: Schema, n: int, extras: bool) -> tuple[dict, dict, int
     return spans, extra_spans, pos
 
 
+Specs = Sequence[tuple[str, np.dtype, tuple[int, ...]]]  # (name, dtype, shape) per array
+
+
+def spec_layout(specs: Specs) -> tuple[dict[str, tuple[int, int]], int]:
+    """Where each array of ``specs`` (name, dtype, shape) sits in a segment, in order:
+    ``({name: (offset, nbytes)}, total)`` (episodic results, reads)."""
+    offsets, pos = {}, 0
+    for name, dtype, shape in specs:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        offsets[name] = (pos, nbytes)
+        pos = _align(pos + nbytes)
+    return offsets, max(pos, ALIGN)
+
+
+def spec_views(mm: Any, offset: int, specs: Specs) -> dict[str, np.ndarray]:
+    """Arrays over ``mm`` from ``offset`` laid out by :func:`spec_layout`."""
+    spans, _ = spec_layout(specs)
+    return {name: np.frombuffer(mm, dtype, int(np.prod(shape, dtype=np.int64)),
+                                offset + spans[name][0]).reshape(shape)
+            for name, dtype, shape in specs}
+
+
+def encode_filter(filter_meta: dict[str, np.ndarray] | None) -> dict[str, Any] | None:
+    """Checked meta values as JSON (each a list, or a number)."""
+    if not filter_meta:
+        return None
+    return {name: np.asarray(value).tolist() for name, value in filter_meta.items()}
+
+
+def encode_updates(updates: Sequence[tuple[int, dict[str, np.ndarray], bool]]) -> list:
+    """Checked episode updates as JSON: ``[[episode id, {meta field: value}, end], ...]``."""
+    return [[episode, encode_filter(meta) or {}, end] for episode, meta, end in updates]
+
+
 def read_boot_id() -> str:
     """This kernel boot's id: equal ids on both ends mean the same host."""
     try:

@@ -128,10 +128,12 @@ class ShmSession:
     # ---- push -----------------------------------------------------------------------
 
     def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
-                   priorities: np.ndarray | None, timeout: float, deadline: float) -> None:
+                   priorities: np.ndarray | None, timeout: float, deadline: float,
+                   updates: list | None = None) -> None:
         """Copy validated columns ``[n, *shape]`` (and priorities) into the push segment; store them.
 
         ``priorities``: float64[n], after the columns in the segment.
+        ``updates``: checked episode updates, applied with the records.
         """
         spans, total = protocol.layout(schema, n)
         size = total + (0 if priorities is None else n * protocol.PRIORITY_DTYPE.itemsize)
@@ -147,6 +149,8 @@ class ShmSession:
                 described.append([f.name, offset, f.dtype.str, [n, *f.shape]])
             message = {"op": "push", "buffer": buffer, "segment": segment, "n": n,
                        "columns": described, "timeout": timeout}
+            if updates:
+                message["updates"] = protocol.encode_updates(updates)
             if priorities is not None:
                 message["priorities"] = _write_vector(mm, total, priorities,
                                                       protocol.PRIORITY_DTYPE)
@@ -195,21 +199,24 @@ class ShmSession:
     # ---- sample ---------------------------------------------------------------------
 
     def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
-               extras: bool, timeout: float, deadline: float) -> dict[str, np.ndarray]:
+               extras: bool, timeout: float, deadline: float,
+               filter_meta: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Sample into a free result segment; return arrays viewing it (no copy).
 
         ``extras``: leave room for the extra keys of a prioritized buffer
         (``weights``, ``indices``) after the columns; they are returned if the
-        server wrote them.
+        server wrote them. ``filter_meta``: checked meta values (episodic buffers).
         """
         _, _, size = protocol.sample_layout(schema, batch_size, extras)
+        message = {"op": "sample", "buffer": buffer, "offset": 0, "batch_size": batch_size,
+                   "seed": seed, "timeout": timeout}
+        if filter_meta:
+            message["filter_meta"] = protocol.encode_filter(filter_meta)
         with self._lock:
             self._set_deadline(deadline)
             segment = self._free_result_segment(size)
             try:
-                reply, _ = self._request({"op": "sample", "buffer": buffer, "segment": segment.id,
-                                          "offset": 0, "batch_size": batch_size, "seed": seed,
-                                          "timeout": timeout})
+                reply, _ = self._request({**message, "segment": segment.id})
             except BaseException:
                 segment.free = True
                 raise
@@ -227,6 +234,39 @@ class ShmSession:
             start, nbytes = extra_spans[name]
             result[name] = base[start : start + nbytes].view(protocol.SAMPLE_EXTRAS[name])
         return result
+
+    # ---- episodic samples and reads: results of shapes known before the call ---------
+
+    def into_result(self, message: dict[str, Any], specs: protocol.Specs, deadline: float
+                    ) -> dict[str, np.ndarray]:
+        """Send ``message``; the server writes the arrays of ``specs`` into a free result
+        segment (laid out by :func:`protocol.spec_layout`); return arrays viewing it."""
+        with self._lock:
+            self._set_deadline(deadline)
+            return self._into_result(message, specs)
+
+    def read(self, buffer: str, seqs: np.ndarray, names: list[str] | None,
+             specs: protocol.Specs, deadline: float) -> dict[str, np.ndarray]:
+        """Records by index: ``seqs`` travel through the push segment."""
+        with self._lock:
+            self._set_deadline(deadline)
+            segment, mm = self._push_segment_for(max(1, len(seqs)) * protocol.INDEX_DTYPE.itemsize)
+            seqs_entry = _write_vector(mm, 0, seqs, protocol.INDEX_DTYPE)
+            return self._into_result({"op": "read", "buffer": buffer, "push_segment": segment,
+                                      "seqs": seqs_entry, "n": len(seqs), "fields": names}, specs)
+
+    def _into_result(self, message: dict[str, Any], specs: protocol.Specs
+                     ) -> dict[str, np.ndarray]:
+        _, size = protocol.spec_layout(specs)
+        segment = self._free_result_segment(size)
+        try:
+            self._request({**message, "segment": segment.id, "offset": 0})
+        except BaseException:
+            segment.free = True
+            raise
+        base = np.frombuffer(segment.mm, np.uint8, size)
+        weakref.finalize(base, _mark_free, segment)
+        return protocol.spec_views(base, 0, specs)
 
     def _free_result_segment(self, size: int) -> _ResultSegment:
         fitting = [s for s in self._results if s.free and len(s.mm) >= size]

@@ -17,12 +17,15 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
+from ..core.config import BufferConfig
 from ..core.schema import Schema
+from ..core.sequences import n_step_specs, read_specs, sequence_specs
 from ..errors import SharedMemoryError
+from . import protocol
 from .session import ShmSession
 
 MAX_IDLE_SESSIONS = 4
@@ -75,14 +78,44 @@ class ShmTransport:
                 session.close()
 
     def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
-                   priorities: np.ndarray | None, timeout: float, deadline: float) -> None:
+                   priorities: np.ndarray | None, timeout: float, deadline: float,
+                   updates: list | None = None) -> None:
         with self._session(deadline) as session:
-            session.push_batch(buffer, schema, n, columns, priorities, timeout, deadline)
+            session.push_batch(buffer, schema, n, columns, priorities, timeout, deadline, updates)
 
     def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
-               extras: bool, timeout: float, deadline: float) -> dict[str, np.ndarray]:
+               extras: bool, timeout: float, deadline: float,
+               filter_meta: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         with self._session(deadline) as session:
-            return session.sample(buffer, schema, batch_size, seed, extras, timeout, deadline)
+            return session.sample(buffer, schema, batch_size, seed, extras, timeout, deadline,
+                                  filter_meta)
+
+    def sample_sequences(self, buffer: str, config: BufferConfig, batch_size: int,
+                         filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
+                         timeout: float, deadline: float) -> dict[str, np.ndarray]:
+        specs = sequence_specs(config, batch_size, params["seq_len"])
+        return self._episodic("sample_sequences", buffer, batch_size, filter_meta, params,
+                              specs, timeout, deadline)
+
+    def sample_n_step(self, buffer: str, config: BufferConfig, batch_size: int,
+                      filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
+                      timeout: float, deadline: float) -> dict[str, np.ndarray]:
+        specs = n_step_specs(config, batch_size)
+        return self._episodic("sample_n_step", buffer, batch_size, filter_meta, params, specs,
+                              timeout, deadline)
+
+    def _episodic(self, op: str, buffer: str, batch_size: int,
+                  filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
+                  specs: protocol.Specs, timeout: float, deadline: float) -> dict[str, np.ndarray]:
+        message = {"op": op, "buffer": buffer, "batch_size": batch_size, "timeout": timeout,
+                   "filter_meta": protocol.encode_filter(filter_meta), **params}
+        with self._session(deadline) as session:
+            return session.into_result(message, specs, deadline)
+
+    def read(self, buffer: str, config: BufferConfig, seqs: np.ndarray, names: list[str] | None,
+             deadline: float) -> dict[str, np.ndarray]:
+        with self._session(deadline) as session:
+            return session.read(buffer, seqs, names, read_specs(config, len(seqs), names), deadline)
 
     def update_priorities(self, buffer: str, indices: np.ndarray, priorities: np.ndarray,
                           deadline: float) -> int:

@@ -17,7 +17,7 @@ class FieldSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BufferConfig(_message.Message):
-    __slots__ = ("hot_capacity", "total_capacity", "fields", "prioritized", "mode", "max_times_sampled", "rate_limiter")
+    __slots__ = ("hot_capacity", "total_capacity", "fields", "prioritized", "mode", "max_times_sampled", "rate_limiter", "episodes", "meta_fields")
     HOT_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class BufferConfig(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_TIMES_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     RATE_LIMITER_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    META_FIELDS_FIELD_NUMBER: _ClassVar[int]
     hot_capacity: int
     total_capacity: int
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
@@ -32,7 +34,9 @@ class BufferConfig(_message.Message):
     mode: str
     max_times_sampled: int
     rate_limiter: RateLimiter
-    def __init__(self, hot_capacity: _Optional[int] = ..., total_capacity: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., prioritized: _Optional[_Union[Prioritized, _Mapping]] = ..., mode: _Optional[str] = ..., max_times_sampled: _Optional[int] = ..., rate_limiter: _Optional[_Union[RateLimiter, _Mapping]] = ...) -> None: ...
+    episodes: bool
+    meta_fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
+    def __init__(self, hot_capacity: _Optional[int] = ..., total_capacity: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., prioritized: _Optional[_Union[Prioritized, _Mapping]] = ..., mode: _Optional[str] = ..., max_times_sampled: _Optional[int] = ..., rate_limiter: _Optional[_Union[RateLimiter, _Mapping]] = ..., episodes: _Optional[bool] = ..., meta_fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ...) -> None: ...
 
 class RateLimiter(_message.Message):
     __slots__ = ("samples_per_insert", "min_size_to_sample", "min_diff", "max_diff")
@@ -99,16 +103,18 @@ class PushRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., record: _Optional[_Union[Batch, _Mapping]] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class PushBatchRequest(_message.Message):
-    __slots__ = ("name", "batch", "priorities", "timeout")
+    __slots__ = ("name", "batch", "priorities", "timeout", "updates")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
     name: str
     batch: Batch
     priorities: _containers.RepeatedScalarFieldContainer[float]
     timeout: float
-    def __init__(self, name: _Optional[str] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., priorities: _Optional[_Iterable[float]] = ..., timeout: _Optional[float] = ...) -> None: ...
+    updates: _containers.RepeatedCompositeFieldContainer[EpisodeUpdate]
+    def __init__(self, name: _Optional[str] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., priorities: _Optional[_Iterable[float]] = ..., timeout: _Optional[float] = ..., updates: _Optional[_Iterable[_Union[EpisodeUpdate, _Mapping]]] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("size", "pushed")
@@ -119,16 +125,22 @@ class PushReply(_message.Message):
     def __init__(self, size: _Optional[int] = ..., pushed: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("name", "batch_size", "seed", "timeout")
+    __slots__ = ("name", "batch_size", "seed", "timeout", "filter_meta", "n_step", "gamma")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    FILTER_META_FIELD_NUMBER: _ClassVar[int]
+    N_STEP_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
     name: str
     batch_size: int
     seed: int
     timeout: float
-    def __init__(self, name: _Optional[str] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., timeout: _Optional[float] = ...) -> None: ...
+    filter_meta: Batch
+    n_step: int
+    gamma: float
+    def __init__(self, name: _Optional[str] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., timeout: _Optional[float] = ..., filter_meta: _Optional[_Union[Batch, _Mapping]] = ..., n_step: _Optional[int] = ..., gamma: _Optional[float] = ...) -> None: ...
 
 class SampleReply(_message.Message):
     __slots__ = ("batch",)
@@ -153,7 +165,7 @@ class InfoRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class BufferInfo(_message.Message):
-    __slots__ = ("name", "config", "size", "pushed", "hot_size", "cold_size", "record_nbytes", "path", "inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds", "sample_wait_seconds", "samples_per_insert", "waiting_inserts", "waiting_samples", "damaged", "beta", "max_priority")
+    __slots__ = ("name", "config", "size", "pushed", "hot_size", "cold_size", "record_nbytes", "path", "inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds", "sample_wait_seconds", "samples_per_insert", "waiting_inserts", "waiting_samples", "damaged", "beta", "max_priority", "priority_total", "priority_min", "memory_needed", "memory_limit", "episodes", "episodes_in_progress")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +186,12 @@ class BufferInfo(_message.Message):
     DAMAGED_FIELD_NUMBER: _ClassVar[int]
     BETA_FIELD_NUMBER: _ClassVar[int]
     MAX_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_MIN_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     name: str
     config: BufferConfig
     size: int
@@ -194,7 +212,13 @@ class BufferInfo(_message.Message):
     damaged: int
     beta: float
     max_priority: float
-    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ..., size: _Optional[int] = ..., pushed: _Optional[int] = ..., hot_size: _Optional[int] = ..., cold_size: _Optional[int] = ..., record_nbytes: _Optional[int] = ..., path: _Optional[str] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., insert_waits: _Optional[int] = ..., sample_waits: _Optional[int] = ..., insert_wait_seconds: _Optional[float] = ..., sample_wait_seconds: _Optional[float] = ..., samples_per_insert: _Optional[float] = ..., waiting_inserts: _Optional[int] = ..., waiting_samples: _Optional[int] = ..., damaged: _Optional[int] = ..., beta: _Optional[float] = ..., max_priority: _Optional[float] = ...) -> None: ...
+    priority_total: float
+    priority_min: float
+    memory_needed: int
+    memory_limit: int
+    episodes: int
+    episodes_in_progress: int
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ..., size: _Optional[int] = ..., pushed: _Optional[int] = ..., hot_size: _Optional[int] = ..., cold_size: _Optional[int] = ..., record_nbytes: _Optional[int] = ..., path: _Optional[str] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., insert_waits: _Optional[int] = ..., sample_waits: _Optional[int] = ..., insert_wait_seconds: _Optional[float] = ..., sample_wait_seconds: _Optional[float] = ..., samples_per_insert: _Optional[float] = ..., waiting_inserts: _Optional[int] = ..., waiting_samples: _Optional[int] = ..., damaged: _Optional[int] = ..., beta: _Optional[float] = ..., max_priority: _Optional[float] = ..., priority_total: _Optional[float] = ..., priority_min: _Optional[float] = ..., memory_needed: _Optional[int] = ..., memory_limit: _Optional[int] = ..., episodes: _Optional[int] = ..., episodes_in_progress: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ()
@@ -255,3 +279,75 @@ class SetBetaRequest(_message.Message):
 class SetBetaReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class EpisodeUpdate(_message.Message):
+    __slots__ = ("episode_id", "meta", "end")
+    EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    episode_id: int
+    meta: Batch
+    end: bool
+    def __init__(self, episode_id: _Optional[int] = ..., meta: _Optional[_Union[Batch, _Mapping]] = ..., end: _Optional[bool] = ...) -> None: ...
+
+class UpdateEpisodesRequest(_message.Message):
+    __slots__ = ("name", "updates")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    updates: _containers.RepeatedCompositeFieldContainer[EpisodeUpdate]
+    def __init__(self, name: _Optional[str] = ..., updates: _Optional[_Iterable[_Union[EpisodeUpdate, _Mapping]]] = ...) -> None: ...
+
+class UpdateEpisodesReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SampleSequencesRequest(_message.Message):
+    __slots__ = ("name", "batch_size", "seq_len", "seed", "timeout", "filter_meta")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    FILTER_META_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    batch_size: int
+    seq_len: int
+    seed: int
+    timeout: float
+    filter_meta: Batch
+    def __init__(self, name: _Optional[str] = ..., batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., timeout: _Optional[float] = ..., filter_meta: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+
+class SampleEpisodesRequest(_message.Message):
+    __slots__ = ("name", "batch_size", "seed", "timeout", "filter_meta", "max_len")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    FILTER_META_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    batch_size: int
+    seed: int
+    timeout: float
+    filter_meta: Batch
+    max_len: int
+    def __init__(self, name: _Optional[str] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., timeout: _Optional[float] = ..., filter_meta: _Optional[_Union[Batch, _Mapping]] = ..., max_len: _Optional[int] = ...) -> None: ...
+
+class EpisodeCatalogRequest(_message.Message):
+    __slots__ = ("name", "filter_meta")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FILTER_META_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    filter_meta: Batch
+    def __init__(self, name: _Optional[str] = ..., filter_meta: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+
+class ReadRequest(_message.Message):
+    __slots__ = ("name", "seqs", "fields")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    seqs: _containers.RepeatedScalarFieldContainer[int]
+    fields: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., seqs: _Optional[_Iterable[int]] = ..., fields: _Optional[_Iterable[str]] = ...) -> None: ...

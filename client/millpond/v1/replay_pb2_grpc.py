@@ -84,6 +84,31 @@ class ReplayStub:
                 request_serializer=millpond_dot_v1_dot_replay__pb2.SetBetaRequest.SerializeToString,
                 response_deserializer=millpond_dot_v1_dot_replay__pb2.SetBetaReply.FromString,
                 _registered_method=True)
+        self.UpdateEpisodes = channel.unary_unary(
+                '/millpond.v1.Replay/UpdateEpisodes',
+                request_serializer=millpond_dot_v1_dot_replay__pb2.UpdateEpisodesRequest.SerializeToString,
+                response_deserializer=millpond_dot_v1_dot_replay__pb2.UpdateEpisodesReply.FromString,
+                _registered_method=True)
+        self.SampleSequences = channel.unary_unary(
+                '/millpond.v1.Replay/SampleSequences',
+                request_serializer=millpond_dot_v1_dot_replay__pb2.SampleSequencesRequest.SerializeToString,
+                response_deserializer=millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
+                _registered_method=True)
+        self.SampleEpisodes = channel.unary_unary(
+                '/millpond.v1.Replay/SampleEpisodes',
+                request_serializer=millpond_dot_v1_dot_replay__pb2.SampleEpisodesRequest.SerializeToString,
+                response_deserializer=millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
+                _registered_method=True)
+        self.EpisodeCatalog = channel.unary_unary(
+                '/millpond.v1.Replay/EpisodeCatalog',
+                request_serializer=millpond_dot_v1_dot_replay__pb2.EpisodeCatalogRequest.SerializeToString,
+                response_deserializer=millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
+                _registered_method=True)
+        self.Read = channel.unary_unary(
+                '/millpond.v1.Replay/Read',
+                request_serializer=millpond_dot_v1_dot_replay__pb2.ReadRequest.SerializeToString,
+                response_deserializer=millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
+                _registered_method=True)
 
 
 class ReplayServicer:
@@ -161,6 +186,41 @@ class ReplayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateEpisodes(self, request, context):
+        """Episodic buffers: meta values for episodes and/or their ends, applied in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SampleSequences(self, request, context):
+        """Episodic buffers: windows of seq_len steps, each within one episode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SampleEpisodes(self, request, context):
+        """Episodic buffers: complete live episodes, padded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EpisodeCatalog(self, request, context):
+        """Episodic buffers: the complete live episodes and their records' indices (not a sample).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Read(self, request, context):
+        """Records by index, and whether each was still live (not a sample).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -213,6 +273,31 @@ def add_ReplayServicer_to_server(servicer, server):
                     servicer.SetBeta,
                     request_deserializer=millpond_dot_v1_dot_replay__pb2.SetBetaRequest.FromString,
                     response_serializer=millpond_dot_v1_dot_replay__pb2.SetBetaReply.SerializeToString,
+            ),
+            'UpdateEpisodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateEpisodes,
+                    request_deserializer=millpond_dot_v1_dot_replay__pb2.UpdateEpisodesRequest.FromString,
+                    response_serializer=millpond_dot_v1_dot_replay__pb2.UpdateEpisodesReply.SerializeToString,
+            ),
+            'SampleSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.SampleSequences,
+                    request_deserializer=millpond_dot_v1_dot_replay__pb2.SampleSequencesRequest.FromString,
+                    response_serializer=millpond_dot_v1_dot_replay__pb2.SampleReply.SerializeToString,
+            ),
+            'SampleEpisodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.SampleEpisodes,
+                    request_deserializer=millpond_dot_v1_dot_replay__pb2.SampleEpisodesRequest.FromString,
+                    response_serializer=millpond_dot_v1_dot_replay__pb2.SampleReply.SerializeToString,
+            ),
+            'EpisodeCatalog': grpc.unary_unary_rpc_method_handler(
+                    servicer.EpisodeCatalog,
+                    request_deserializer=millpond_dot_v1_dot_replay__pb2.EpisodeCatalogRequest.FromString,
+                    response_serializer=millpond_dot_v1_dot_replay__pb2.SampleReply.SerializeToString,
+            ),
+            'Read': grpc.unary_unary_rpc_method_handler(
+                    servicer.Read,
+                    request_deserializer=millpond_dot_v1_dot_replay__pb2.ReadRequest.FromString,
+                    response_serializer=millpond_dot_v1_dot_replay__pb2.SampleReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -485,6 +570,141 @@ class Replay:
             '/millpond.v1.Replay/SetBeta',
             millpond_dot_v1_dot_replay__pb2.SetBetaRequest.SerializeToString,
             millpond_dot_v1_dot_replay__pb2.SetBetaReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateEpisodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/millpond.v1.Replay/UpdateEpisodes',
+            millpond_dot_v1_dot_replay__pb2.UpdateEpisodesRequest.SerializeToString,
+            millpond_dot_v1_dot_replay__pb2.UpdateEpisodesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/millpond.v1.Replay/SampleSequences',
+            millpond_dot_v1_dot_replay__pb2.SampleSequencesRequest.SerializeToString,
+            millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleEpisodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/millpond.v1.Replay/SampleEpisodes',
+            millpond_dot_v1_dot_replay__pb2.SampleEpisodesRequest.SerializeToString,
+            millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EpisodeCatalog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/millpond.v1.Replay/EpisodeCatalog',
+            millpond_dot_v1_dot_replay__pb2.EpisodeCatalogRequest.SerializeToString,
+            millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Read(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/millpond.v1.Replay/Read',
+            millpond_dot_v1_dot_replay__pb2.ReadRequest.SerializeToString,
+            millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,9 +70,11 @@ def config_to_proto(config: BufferConfig) -> pb.BufferConfig:
     message = pb.BufferConfig(
         hot_capacity=config.hot_capacity,
         total_capacity=config.total_capacity,
-        fields=[pb.FieldSpec(name=f.name, dtype=f.dtype.str, shape=f.shape) for f in config.schema],
+        fields=_field_specs(config.schema),
         mode="" if config.mode == "replay" else config.mode,
         max_times_sampled=config.max_times_sampled or 0,
+        episodes=config.episodes,
+        meta_fields=_field_specs(config.meta_fields),
     )
     if config.prioritized is not None:
         message.prioritized.alpha = config.prioritized.alpha
@@ -86,13 +88,23 @@ def config_to_proto(config: BufferConfig) -> pb.BufferConfig:
     return message
 
 
+def _field_specs(schema: Schema | None) -> list[pb.FieldSpec]:
+    return [pb.FieldSpec(name=f.name, dtype=f.dtype.str, shape=f.shape) for f in schema or ()]
+
+
+def _schema_spec(specs: Any, what: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    spec = {f.name: (f.dtype, tuple(f.shape)) for f in specs}
+    if len(spec) != len(specs):
+        raise InvalidConfigError(f"buffer config repeats a {what} name")
+    return spec
+
+
 def config_from_proto(message: pb.BufferConfig) -> BufferConfig:
     """The :class:`BufferConfig` a message describes; raises InvalidConfigError."""
     if not message.fields:
         raise InvalidConfigError("buffer config has no fields")
-    spec = {f.name: (f.dtype, tuple(f.shape)) for f in message.fields}
-    if len(spec) != len(message.fields):
-        raise InvalidConfigError("buffer config repeats a field name")
+    spec = _schema_spec(message.fields, "field")
+    meta = _schema_spec(message.meta_fields, "meta field")
     limiter = None
     if message.HasField("rate_limiter"):
         r = message.rate_limiter
@@ -102,7 +114,7 @@ def config_from_proto(message: pb.BufferConfig) -> BufferConfig:
         prioritized = Prioritized(message.prioritized.alpha, message.prioritized.beta)
     return BufferConfig(Schema.from_spec(spec), message.hot_capacity, message.total_capacity,
                         message.mode or "replay", message.max_times_sampled or None, limiter,
-                        prioritized)
+                        prioritized, message.episodes, Schema.from_spec(meta) if meta else None)
 
 
 def info_to_proto(info: BufferInfo) -> pb.BufferInfo:

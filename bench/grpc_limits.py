@@ -1,0 +1,244 @@
+"""The gRPC rows of ``make bench``, each beside its limit measured in the same run.
+
+The limits are what gRPC itself carries here, with no millpond code in the
+way: a bare echo server in another process (raw bytes in and out, methods
+``Empty``, ``Upload`` and ``Download``, the same message-size options as the
+daemon), run both as a ``grpc.aio`` server on uvloop (as the daemon is) and
+as a synchronous ``grpc.server``; a row is judged against the faster of the
+two. A persistent buffer's pushes also end on disk, so the Atari push row is
+judged against the lower of the bare upload and the disk's sequential write
+speed (write + ``fdatasync`` of a file of as many bytes as one timed push run
+moved, in the benchmark's temp dir, like ``dd ... conv=fdatasync``).
+
+Rows and their limits are measured in turns (millpond for the bench's time per
+measurement, then bare aio and bare sync for half of it each; three times), so
+a noisy moment on this shared machine hits them alike; each figure is the
+median of its turns and each ratio the median of the per-turn ratios.
+
+    python bench/grpc_limits.py serve aio|sync   # the bare server (prints its port)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import grpc
+import numpy as np
+
+SERVICE = "bench.Echo"
+MAX_MESSAGE = 512 << 20
+OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
+           ("grpc.max_receive_message_length", MAX_MESSAGE)]
+TURNS = 3
+
+
+# ---- the bare server (a subprocess) ---------------------------------------------------
+
+
+def _payload(nbytes: int, cache: dict[int, bytes] = {}) -> bytes:  # noqa: B006 (a cache)
+    if nbytes not in cache:
+        cache[nbytes] = np.random.default_rng(0).integers(0, 255, nbytes, np.uint8).tobytes()
+    return cache[nbytes]
+
+
+def serve(kind: str) -> None:
+    """Run the bare echo server (``kind``: "aio" or "sync") until killed; print its port."""
+    replies: dict[str, Callable[[bytes], bytes]] = {
+        "Empty": lambda request: b"",
+        "Upload": lambda request: b"",
+        "Download": lambda request: _payload(int(request)),  # the request: how many bytes
+    }
+    if kind == "sync":
+        from concurrent.futures import ThreadPoolExecutor
+
+        handlers = {name: grpc.unary_unary_rpc_method_handler(
+            lambda request, context, reply=reply: reply(request)) for name, reply in replies.items()}
+        server = grpc.server(ThreadPoolExecutor(8), options=OPTIONS)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+        server.start()
+        server.wait_for_termination()
+        return
+
+    def handler(reply: Callable[[bytes], bytes]):
+        async def handle(request: bytes, context) -> bytes:
+            return reply(request)
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    async def main() -> None:
+        server = grpc.aio.server(options=OPTIONS)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            SERVICE, {name: handler(reply) for name, reply in replies.items()}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(port, flush=True)
+        await server.wait_for_termination()
+
+    import uvloop
+
+    uvloop.run(main())
+
+
+class BareEcho:
+    """A bare echo server subprocess and a channel to it."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.proc = subprocess.Popen([sys.executable, __file__, "serve", kind],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        port = int(self.proc.stdout.readline())
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS)
+        self.empty = self.channel.unary_unary(f"/{SERVICE}/Empty")
+        self.upload = self.channel.unary_unary(f"/{SERVICE}/Upload")
+        self.download = self.channel.unary_unary(f"/{SERVICE}/Download")
+
+    def close(self) -> None:
+        self.channel.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+def disk_write_rate(directory: Path, nbytes: int) -> float:
+    """Bytes/s of writing ``nbytes`` to a new file in ``directory`` and fdatasync-ing it."""
+    block = np.random.default_rng(1).integers(0, 255, 16 << 20, np.uint8).tobytes()
+    path = directory / "disk-limit.tmp"
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        written = 0
+        while written < nbytes:
+            written += os.write(fd, block[: min(len(block), nbytes - written)])
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return nbytes / elapsed
+
+
+# ---- the section ------------------------------------------------------------------------
+
+
+def _rate(fn: Callable[[], object], seconds: float, threads: int = 1) -> float:
+    """Calls/s of ``fn`` over about ``seconds``, ``threads`` callers."""
+    counts = [0] * threads
+    start = time.perf_counter()
+    deadline = start + seconds
+
+    def caller(i: int) -> None:
+        while time.perf_counter() < deadline:
+            fn()
+            counts[i] += 1
+
+    workers = [threading.Thread(target=caller, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return sum(counts) / (time.perf_counter() - start)
+
+
+def grpc_limits_section(address: str, workloads: list, tmp: Path, seconds: float,
+                        callers: int) -> None:
+    """Print the gRPC rows of the issue beside their same-run limits (see the module doc)."""
+    import millpond
+
+    cart_w, atari_w = workloads
+    client = millpond.connect(address, shm=False)
+    cart = client.create_buffer("bench-limits-CartPole", hot_capacity=cart_w.hot,
+                                total_capacity=cart_w.total, fields=cart_w.schema)
+    atari = client.create_buffer("bench-limits-Atari", hot_capacity=atari_w.hot,
+                                 total_capacity=atari_w.total, fields=atari_w.schema)
+    rng = np.random.default_rng(7)
+    cart_batch, atari_batch = cart_w.batch(1000, rng), atari_w.batch(128, rng)
+    for _ in range(cart_w.total // 1000):  # fill: samples reach both tiers
+        cart.push_batch(**cart_batch)
+    for _ in range(-(-atari_w.total // 128)):
+        atari.push_batch(**atari_batch)
+    atari_bytes = atari_w.schema.record_nbytes
+    up, down = 128 * atari_bytes, 256 * atari_bytes
+    down_request = str(down).encode()
+    sampler = atari.sampler(256, prefetch=4)
+    next(sampler)
+    bares = [BareEcho("aio"), BareEcho("sync")]
+    for bare in bares:  # connect and warm up
+        bare.empty(b"")
+        bare.upload(_payload(up))
+        bare.download(down_request)
+    sustained = max(seconds, 2.0) if seconds >= 1.0 else seconds
+    # (row, millpond call, units per call, its limit's call on a bare server, units per call,
+    #  callers, seconds)
+    plan = [
+        ("CartPole push_batch(1000)", lambda: cart.push_batch(**cart_batch), 1,
+         lambda b: b.empty(b""), 1, 1, seconds),
+        ("CartPole sample(256)", lambda: cart.sample(256), 1, lambda b: b.empty(b""), 1, 1, seconds),
+        (f"Atari push_batch(128) {up / 1e6:.1f} MB", lambda: atari.push_batch(**atari_batch), up,
+         lambda b: b.upload(_payload(up)), up, 1, sustained),
+        (f"Atari sample(256) {down / 1e6:.1f} MB", lambda: atari.sample(256), down,
+         lambda b: b.download(down_request), down, 1, seconds),
+        ("Atari sampler(prefetch=4)", lambda: next(sampler), down,
+         lambda b: b.download(down_request), down, 1, seconds),
+        (f"{callers} callers: CartPole sample(256)", lambda: cart.sample(256), 256,
+         lambda b: b.empty(b""), 256, callers, seconds),
+        (f"{callers} callers: Atari sample(256)", lambda: atari.sample(256), down,
+         lambda b: b.download(down_request), down, callers, seconds),
+    ]
+    results = []
+    try:
+        for row, call, units, bare_call, bare_units, threads, secs in plan:
+            ours, limits, ratios = [], [], []
+            for _ in range(TURNS):
+                ours.append(_rate(call, secs, threads) * units)
+                limit = max(_rate(lambda b=b: bare_call(b), secs / 2, threads) * bare_units
+                            for b in bares)
+                limits.append(limit)
+                ratios.append(ours[-1] / limit)
+            results.append((row, statistics.median(ours), statistics.median(limits),
+                            statistics.median(ratios)))
+    finally:
+        sampler.close()
+        for bare in bares:
+            bare.close()
+    push_row = results[2]
+    disk = disk_write_rate(tmp, int(min(2 << 30, max(256 << 20, push_row[1] * sustained))))
+    _print(results, disk, callers)
+    cart.close()
+    atari.close()
+
+
+def _print(results: list, disk: float, callers: int) -> None:
+    print("\ngRPC beside bare gRPC, same run: one daemon, connect(shm=False); limit: a bare gRPC "
+          "echo server (the\nfaster of grpc.aio and sync) making calls of the same shape; "
+          f"medians of {TURNS} turns")
+    print(f"  {'row':34} {'millpond':>19} {'limit':>19}  {'ratio':>5}  {'target':8} limit is")
+    for i, (row, ours, limit, ratio) in enumerate(results):
+        if i == 2:  # a persistent buffer's pushes end on disk: the lower limit counts
+            limit, ratio = min(limit, disk), ratio * limit / min(limit, disk)
+        if i < 2:
+            what, target, unit, scale = "empty calls", ">= 0.7x", "calls/s", 1.0
+        elif i == 5:
+            what, target = f"{callers} callers' empty calls x 256", ">= 500k"
+            unit, scale = "rec/s", 1.0
+        else:
+            what = {2: f"the lower of upload {results[2][2] / 1e9:.2f} GB/s and disk write "
+                       f"{disk / 1e9:.2f} GB/s", 3: "download", 4: "download (1 caller)",
+                    6: f"{callers} callers' downloads"}[i]
+            target, unit, scale = (">= 0.9x" if i == 4 else ">= 0.7x"), "GB/s", 1e-9
+        figures = " ".join(f"{f'{value * scale:,.2f}' if scale < 1 else f'{value:,.0f}':>11} "
+                           f"{unit:7}" for value in (ours, limit))
+        print(f"  {row:34} {figures}  {ratio:4.2f}x  {target:8} {what}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "serve":
+        serve(sys.argv[2])
+    else:
+        sys.exit(__doc__)

@@ -1,0 +1,193 @@
+"""What episodic buffers sample: windows of episodes, whole episodes, n-step transitions.
+
+Each function runs with the buffer's lock held, once the buffer decided
+that the sample may proceed; it draws with the buffer's strategy (uniform or
+by priority, use limits counted) among the records that ``filter_meta``
+allows, and gathers rows in draw order. Positions past an episode's end
+(``mask`` False) are zero in every field.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import NotEnoughDataError
+from .config import BufferConfig
+from .episodes import EpisodeIndex
+from .fifo import Fifo
+
+Filter = Mapping[str, np.ndarray] | None
+Out = Mapping[str, np.ndarray] | None  # arrays to write results into (e.g. shared memory)
+
+
+def sample_sequences(fifo: Fifo, index: EpisodeIndex, strategy: Any, rng: np.random.Generator,
+                     batch_size: int, seq_len: int, filter_meta: Filter, out: Out = None
+                     ) -> dict[str, np.ndarray]:
+    """``batch_size`` windows of ``seq_len`` steps from starts drawn among the live records."""
+    starts, extras = strategy.draw(rng, batch_size, _among(index, filter_meta))
+    seqs = index.windows(starts, seq_len)
+    mask = seqs >= 0
+    rows = _padded(fifo, _fill(seqs, mask, starts), mask, None, out)
+    return _into(out, {**rows, "mask": mask, "lens": mask.sum(axis=1), **index.describe(starts),
+                       **extras})
+
+
+def sample_episodes(fifo: Fifo, index: EpisodeIndex, rng: np.random.Generator, batch_size: int,
+                    max_len: int | None, filter_meta: Filter) -> dict[str, np.ndarray]:
+    """``batch_size`` complete live episodes drawn uniformly with replacement, their first
+    ``max_len`` steps (default: padded to the longest drawn)."""
+    heads = index.heads(filter_meta)
+    if not len(heads):
+        raise NotEnoughDataError(
+            "no complete episode to sample" + (f" with meta {_shown(filter_meta)}"
+                                               if filter_meta else "")
+            + " (an episode is complete once ended, while its first record is live)")
+    picked = heads[rng.integers(0, len(heads), size=batch_size)]
+    width = int(index.lengths(picked).max()) if max_len is None else max_len
+    seqs = index.windows(picked, width)
+    mask = seqs >= 0
+    described = index.describe(picked)
+    del described["start_steps"]  # always 0
+    return {**_padded(fifo, _fill(seqs, mask, picked), mask), "mask": mask, "lens": mask.sum(axis=1),
+            **described}
+
+
+def sample_n_step(fifo: Fifo, index: EpisodeIndex, strategy: Any, rng: np.random.Generator,
+                  batch_size: int, n_step: int, gamma: float, filter_meta: Filter,
+                  out: Out = None) -> dict[str, np.ndarray]:
+    """n-step transitions of the transition schema from steps ``t`` drawn like ``sample``.
+
+    ``rewards`` is ``sum(gamma**k * r[t+k] for k < n_step_lens)`` where
+    ``n_step_lens = min(n_step, steps stored from t on)``; ``next_obs``,
+    ``terminated`` and ``truncated`` are those of step ``t + n_step_lens - 1``.
+    """
+    starts, extras = strategy.draw(rng, batch_size, _among(index, filter_meta))
+    seqs = index.windows(starts, n_step)
+    mask = seqs >= 0
+    lens = mask.sum(axis=1)
+    rewards = fifo.gather_rows(_fill(seqs, mask, starts), ["rewards"])["rewards"]
+    discounts = gamma ** np.arange(n_step, dtype=np.float64)
+    returns = (rewards.astype(np.float64) * mask) @ discounts
+    head = fifo.gather_rows(starts, ["obs", "actions"], out)
+    tail = fifo.gather_rows(seqs[np.arange(len(seqs)), lens - 1],
+                            ["next_obs", "terminated", "truncated"], out)
+    rows = {**head, **tail, "rewards": returns.astype(fifo.schema["rewards"].dtype)}
+    return _into(out, {**{name: rows[name] for name in fifo.schema.names}, "n_step_lens": lens,
+                       **extras})
+
+
+def catalog(index: EpisodeIndex, filter_meta: Filter) -> dict[str, np.ndarray]:
+    """The complete live episodes that match, in episode order (their first records'
+    order): ``episode_ids``, ``lens``, their meta fields, and ``seqs``, every record of
+    each episode in step order, episode after episode."""
+    heads = index.heads(filter_meta)
+    lengths = index.lengths(heads)
+    described = index.describe(heads)
+    del described["start_steps"]
+    return {**described, "lens": lengths, "seqs": index.chains(heads, lengths)}
+
+
+def read(fifo: Fifo, seqs: np.ndarray, names: Sequence[str] | None, out: Out = None
+         ) -> dict[str, np.ndarray]:
+    """Records ``seqs`` (fields ``names``, default all) in the order given, and ``live``:
+    which were still live (the others' rows are zero)."""
+    live = fifo.is_live(seqs)
+    if not live.any():
+        rows = {f.name: np.zeros((len(seqs),) + f.shape, f.dtype) for f in fifo.schema
+                if names is None or f.name in names}
+    else:
+        rows = _padded(fifo, np.where(live, seqs, seqs[live][0]), live, names, out)
+    return _into(out, {**rows, "live": live})
+
+
+def _padded(fifo: Fifo, seqs: np.ndarray, mask: np.ndarray, names: Sequence[str] | None = None,
+            out: Out = None) -> dict[str, np.ndarray]:
+    """Rows for ``seqs`` (any shape; all live), zeroed where ``mask`` is False: masked
+    positions name some live record, so that one gather serves every position."""
+    rows = fifo.gather_rows(seqs, names, out)
+    if not mask.all():
+        for column in rows.values():
+            column[~mask] = 0
+    return rows
+
+
+def _into(out: Out, result: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``result`` with each array ``out`` has a place for copied there (the big ones were
+    gathered there already)."""
+    if out is None:
+        return result
+    for name, array in result.items():
+        if name in out and out[name] is not array:
+            out[name][...] = array
+            result[name] = out[name]
+    return result
+
+
+def _fill(seqs: np.ndarray, mask: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``seqs`` with each position past its window's end naming the window's start."""
+    return np.where(mask, seqs, starts[:, None])
+
+
+def _among(index: EpisodeIndex, filter_meta: Filter) -> np.ndarray | None:
+    return None if not filter_meta else index.candidates(filter_meta)
+
+
+def _shown(filter_meta: Filter) -> dict[str, Any]:
+    return {name: np.asarray(value).tolist() for name, value in (filter_meta or {}).items()}
+
+
+# ---- the shapes of results, known before the draw (for shared-memory replies) -------------
+
+Spec = list[tuple[str, np.dtype, tuple[int, ...]]]
+_I8, _BOOL = np.dtype("<i8"), np.dtype(bool)
+
+
+def sequence_specs(config: BufferConfig, batch_size: int, seq_len: int) -> Spec:
+    """Every array :func:`sample_sequences` returns: name, dtype, shape."""
+    b = batch_size
+    return [*((f.name, f.dtype, (b, seq_len, *f.shape)) for f in config.schema),
+            ("mask", _BOOL, (b, seq_len)), ("lens", _I8, (b,)), ("episode_ids", _I8, (b,)),
+            ("start_steps", _I8, (b,)), *_meta_specs(config, b), *_extra_specs(config, b)]
+
+
+def n_step_specs(config: BufferConfig, batch_size: int) -> Spec:
+    """Every array :func:`sample_n_step` returns."""
+    return [*((f.name, f.dtype, (batch_size, *f.shape)) for f in config.schema),
+            ("n_step_lens", _I8, (batch_size,)), *_extra_specs(config, batch_size)]
+
+
+def read_specs(config: BufferConfig, n: int, names: Sequence[str] | None) -> Spec:
+    """Every array :func:`read` returns."""
+    return [*((f.name, f.dtype, (n, *f.shape)) for f in config.schema
+              if names is None or f.name in names), ("live", _BOOL, (n,))]
+
+
+def _meta_specs(config: BufferConfig, b: int) -> Spec:
+    return [(f.name, f.dtype, (b, *f.shape)) for f in config.meta_fields or ()]
+
+
+def _extra_specs(config: BufferConfig, b: int) -> Spec:
+    if config.prioritized is None:
+        return []
+    return [("weights", np.dtype("<f4"), (b,)), ("indices", _I8, (b,))]
+
+
+def episodic_reply_nbytes(config: BufferConfig, op: str, n: int, params: Mapping[str, Any]) -> int:
+    """Bytes of the arrays call ``op`` returns for ``n`` (batch size, or records read),
+    when known before it runs (sample_episodes: only with ``max_len``; else 0)."""
+    if op == "sample_sequences":
+        specs = sequence_specs(config, n, params["seq_len"])
+    elif op == "sample_episodes" and params.get("max_len"):
+        specs = sequence_specs(config, n, params["max_len"])
+    elif op == "sample_n_step":
+        specs = n_step_specs(config, n)
+    elif op == "read":
+        specs = read_specs(config, n, params.get("fields"))
+    elif op == "sample":
+        specs = [(f.name, f.dtype, (n, *f.shape)) for f in config.schema] + _extra_specs(config, n)
+    else:
+        return 0
+    return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in specs)

@@ -1,0 +1,362 @@
+"""Several millpond servers as one buffer: the sharded client.
+
+``millpond.connect(["host1:50051", "host2:50051"])`` or
+``millpond.connect("dns:///NAME:PORT")`` (every address a name resolves to,
+e.g. a Kubernetes headless Service) returns a :class:`ShardedClient`. Its
+buffers (:class:`~millpond.sharded_buffer.ShardedBuffer` behind the usual
+handles) span the shards: capacities are split, each writer sticks to one
+shard, samples are uniform (or prioritized) over the union. The arithmetic
+is in :mod:`millpond.sharding`.
+
+Shard ``i`` is the ``i``-th address as given, or, for ``dns:///``, of the
+addresses sorted (IPv4 before IPv6, numerically), so every client of the
+same name sees the same order. The name is resolved once, when connecting.
+
+A shard that does not answer within the call's deadline (the client's
+``timeout``) is marked down: pushes go to another shard, samples draw from
+the shards that answer, and ``info().degraded`` says so. A down shard is
+probed in the background (its health service, every :data:`PROBE_INTERVAL`
+seconds) and used again as soon as it says SERVING.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import random
+import socket
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .core.config import BufferConfig
+from .core.info import BufferInfo, ShardInfo
+from .errors import (
+    BufferNotFoundError,
+    ConfigMismatchError,
+    InvalidConfigError,
+    ReplayError,
+    ServerUnavailableError,
+)
+from .handle import Buffer, handle_for
+from .making import BufferMaker
+from .sharded_buffer import ShardedBuffer, refuse_episodic
+from .sharding import aggregate, global_config, is_down, same_but_capacities, shard_configs
+
+if TYPE_CHECKING:
+    from .client import Client
+
+DNS_SCHEME = "dns:///"
+PROBE_INTERVAL = 0.5  # seconds between health probes of a down shard
+PROBE_TIMEOUT = 1.0
+T = TypeVar("T")
+K = TypeVar("K")
+
+
+def resolve(target: str) -> list[str]:
+    """``dns:///NAME:PORT`` -> every address NAME resolves to, sorted, as ``host:port``."""
+    rest = target[len(DNS_SCHEME):]
+    host, sep, port = rest.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit():
+        raise InvalidConfigError(f"expected 'dns:///NAME:PORT', got {target!r}")
+    try:
+        found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ServerUnavailableError(f"cannot resolve {host!r} ({target}): {exc}") from None
+    ips = sorted({ipaddress.ip_address(str(entry[4][0]).split("%")[0]) for entry in found},
+                 key=lambda ip: (ip.version, int(ip)))
+    return [f"{ip}:{port}" if ip.version == 4 else f"[{ip}]:{port}" for ip in ips]
+
+
+class ShardedClient(BufferMaker):
+    """One buffer namespace over several servers; see the module docstring and
+    :func:`millpond.connect` (whose settings every shard's client gets).
+
+    ``client_class`` builds each shard's client (:class:`millpond.Client`).
+    Pickles as its addresses and settings, like a :class:`~millpond.Client`;
+    each process picks its own first shard at random.
+    """
+
+    def __init__(self, target: str | Sequence[str], client_class: Callable[..., "Client"],
+                 **settings: Any):
+        if isinstance(target, str):
+            if not target.startswith(DNS_SCHEME):
+                raise InvalidConfigError(f"a sharded target is a list of addresses or "
+                                         f"'dns:///NAME:PORT', got {target!r}")
+            addresses = resolve(target)
+            if not addresses:
+                raise ServerUnavailableError(f"{target} resolves to no address")
+        else:
+            addresses = list(target)
+            if not addresses or not all(isinstance(a, str) and a for a in addresses):
+                raise InvalidConfigError(
+                    f"shard addresses must be a non-empty list of 'host:port', got {target!r}")
+            if len(set(addresses)) != len(addresses):
+                raise InvalidConfigError(f"shard addresses repeat: {addresses}")
+        self.target = target if isinstance(target, str) else None
+        self.addresses = tuple(addresses)
+        self.clients = [client_class(address, **settings) for address in addresses]
+        self.timeout = self.clients[0].timeout
+        self.push_batch_size = self.clients[0].push_batch_size
+        self.push_max_delay = self.clients[0].push_max_delay
+        self.max_message_bytes = self.clients[0].max_message_bytes
+        self._client_class = client_class
+        self._settings = self.clients[0].__reduce__()[1][1]  # credentials resolved once
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._pool: ThreadPoolExecutor | None = None
+        self._turn = 0
+        self._down: dict[int, tuple[float, str]] = {}  # shard -> (next probe time, why)
+        self._probing: set[int] = set()
+        self._probe_channels: dict[int, grpc.Channel] = {}
+
+    def __reduce__(self):
+        return (_rebuild, (list(self.addresses), self._client_class, self._settings))
+
+    @property
+    def shards(self) -> int:
+        return len(self.addresses)
+
+    @property
+    def address(self) -> str:
+        return self.target or ",".join(self.addresses)
+
+    @property
+    def transport(self) -> str:
+        """"shm" or "grpc" if every shard uses it, else "mixed"."""
+        kinds = {client.transport for client in self.clients}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    @property
+    def calls(self) -> Counter[tuple[str, str]]:
+        total: Counter[tuple[str, str]] = Counter()
+        for client in self.clients:
+            total.update(client.calls)
+        return total
+
+    # ---- this process's pool, turns and shard health -----------------------------------
+
+    def _process(self) -> None:
+        """(Re)make the per-process state: a pool, a random first shard, no probes."""
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._pool = ThreadPoolExecutor(max(4, 4 * self.shards),
+                                                    thread_name_prefix="millpond-shards")
+                    self._turn = random.SystemRandom().randrange(self.shards)
+                    self._probing, self._probe_channels = set(), {}
+                    self._pid = os.getpid()
+
+    def next_shard(self) -> int:
+        """The shard of the next writer: in turn, from a random first one per process."""
+        self._process()
+        with self._lock:
+            shard, self._turn = self._turn, (self._turn + 1) % self.shards
+        return shard
+
+    def live(self) -> list[int]:
+        """Shards not marked down (probing those whose probe is due)."""
+        self._process()
+        now = time.monotonic()
+        with self._lock:
+            due = [s for s, (at, _) in self._down.items() if at <= now and s not in self._probing]
+            self._probing.update(due)
+            live = [s for s in range(self.shards) if s not in self._down]
+        for shard in due:
+            assert self._pool is not None
+            self._pool.submit(self._probe, shard)
+        return live
+
+    def down(self) -> dict[int, str]:
+        """Shards marked down, with why."""
+        with self._lock:
+            return {shard: why for shard, (_, why) in self._down.items()}
+
+    def mark_down(self, shard: int, exc: BaseException) -> None:
+        with self._lock:
+            self._down[shard] = (time.monotonic() + PROBE_INTERVAL, f"{type(exc).__name__}: {exc}")
+
+    def _probe(self, shard: int) -> None:
+        """Ask a down shard's health service (no waiting); mark it live if SERVING."""
+        try:
+            with self._lock:
+                channel = self._probe_channels.get(shard)
+                if channel is None:
+                    options = [("grpc.max_reconnect_backoff_ms", int(PROBE_INTERVAL * 1000))]
+                    channel = self.clients[shard].credentials.channel(self.addresses[shard],
+                                                                     options)
+                    self._probe_channels[shard] = channel
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT,
+                wait_for_ready=True)
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            serving = False
+        with self._lock:
+            self._probing.discard(shard)
+            if serving:
+                self._down.pop(shard, None)
+            elif shard in self._down:
+                self._down[shard] = (time.monotonic() + PROBE_INTERVAL, self._down[shard][1])
+
+    def fan_out(self, jobs: Sequence[K], call: Callable[[K], T],
+                shard_of: Callable[[K], int] = lambda job: job,  # type: ignore[assignment,return-value]
+                ) -> tuple[dict[K, T], dict[K, BaseException]]:
+        """``call(job)`` for each job in parallel (jobs are shards, unless ``shard_of``
+        says which shard a job calls): ``(results, errors)`` by job. A shard that
+        did not answer is marked down; other errors are returned as they are."""
+        self._process()
+        assert self._pool is not None
+        results: dict[K, T] = {}
+        errors: dict[K, BaseException] = {}
+        futures = {job: self._pool.submit(call, job) for job in jobs[1:]}
+        for job in jobs[:1]:  # the first on this thread: one hop to the pool less
+            try:
+                results[job] = call(job)
+            except Exception as exc:
+                errors[job] = exc
+        for job, future in futures.items():
+            try:
+                results[job] = future.result()
+            except Exception as exc:
+                errors[job] = exc
+        for job, error in errors.items():
+            if is_down(error):
+                self.mark_down(shard_of(job), error)
+        return results, errors
+
+    # ---- buffers -----------------------------------------------------------------------
+
+    def remote_buffer(self, name: str, config: BufferConfig) -> ShardedBuffer:
+        """Create ``name`` with ``config`` on every shard, or attach where it exists.
+
+        Where it exists its shard's own capacities are kept (an order of
+        shards that changed since, e.g. pods with new addresses, still
+        attaches), as long as the capacities add up to ``config``'s and every
+        other setting is equal (else ConfigMismatchError). Every shard must
+        answer.
+        """
+        refuse_episodic([config])
+        wanted = shard_configs(config, self.shards)
+        found = self._infos(name, missing_ok=True)
+        existing = {s: i.config for s, i in found.items() if i is not None}
+        if existing:
+            for shard, have in existing.items():
+                differs = same_but_capacities(have, config)
+                if differs:
+                    raise ConfigMismatchError(f"buffer {name!r} exists on shard {shard} "
+                                              f"({self.addresses[shard]}) with a different config: "
+                                              + "; ".join(f"{k}: has {a}, asked for {b}"
+                                                          for k, a, b in differs))
+            if len(existing) == self.shards:
+                have_all = [existing[s] for s in range(self.shards)]
+                glob = global_config(have_all)
+                if (glob.hot_capacity, glob.total_capacity) != (config.hot_capacity,
+                                                                config.total_capacity):
+                    raise ConfigMismatchError(
+                        f"buffer {name!r} exists over these {self.shards} shards with "
+                        f"hot/total capacity {glob.hot_capacity}/{glob.total_capacity}, asked "
+                        f"for {config.hot_capacity}/{config.total_capacity}")
+        missing = [s for s in range(self.shards) if s not in existing]
+        created, errors = self.fan_out(
+            missing, lambda s: self.clients[s].connection.grpc.create(name, wanted[s],
+                                                                      self.timeout))
+        _raise_first(errors)
+        configs = [existing[s] if s in existing else created[s][0].config
+                   for s in range(self.shards)]
+        owner = any(created[s][1] for s in missing)
+        return ShardedBuffer(self, name, configs, owner=owner)
+
+    def buffer(self, name: str) -> Buffer:
+        """Attach to ``name`` on every shard (BufferNotFoundError if a shard lacks it)."""
+        found = self._infos(name, missing_ok=False)
+        return handle_for(ShardedBuffer(self, name, [found[s].config for s in range(self.shards)]))
+
+    def _infos(self, name: str, missing_ok: bool) -> dict[int, Any]:
+        """Every shard's info of ``name`` (None where missing, if ``missing_ok``)."""
+        def info(shard: int) -> BufferInfo | None:
+            try:
+                return self.clients[shard].connection.grpc.info(name, self.timeout)
+            except BufferNotFoundError:
+                if missing_ok:
+                    return None
+                raise BufferNotFoundError(
+                    f"no buffer named {name!r} on shard {shard} ({self.addresses[shard]})"
+                ) from None
+
+        found, errors = self.fan_out(range(self.shards), info)
+        _raise_first(errors)
+        return found
+
+    def list_buffers(self) -> list[BufferInfo]:
+        """One info per buffer name on any shard that answers (see ``info.shards``)."""
+        lists, errors = self.fan_out(range(self.shards),
+                                     lambda s: self.clients[s].list_buffers())
+        if not lists:
+            _raise_first(errors)
+        names = sorted({info.name for infos in lists.values() for info in infos if info.name})
+        out = []
+        for name in names:
+            shards = []
+            for s in range(self.shards):
+                if s in errors:
+                    shards.append(ShardInfo(s, self.addresses[s], None, str(errors[s])))
+                    continue
+                info = next((i for i in lists[s] if i.name == name), None)
+                shards.append(ShardInfo(s, self.addresses[s], info,
+                                        None if info else "no such buffer on this shard"))
+            configs = [s.info.config for s in shards if s.info is not None]
+            out.append(aggregate(name, global_config(configs), shards))
+        return out
+
+    def delete_buffer(self, name: str) -> None:
+        """Delete ``name`` on every shard (BufferNotFoundError if no shard had it)."""
+        done, errors = self.fan_out(
+            range(self.shards),
+            lambda s: self.clients[s].delete_buffer(name))
+        missing = [s for s, e in errors.items() if isinstance(e, BufferNotFoundError)]
+        _raise_first({s: e for s, e in errors.items() if s not in missing})
+        if not done:
+            raise BufferNotFoundError(f"no buffer named {name!r} on any shard")
+
+    def close(self) -> None:
+        """Close every shard's connection (buffers stay on the servers). Idempotent."""
+        for client in self.clients:
+            client.close()
+        with self._lock:
+            if self._pid == os.getpid():
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False, cancel_futures=True)
+                for channel in self._probe_channels.values():
+                    channel.close()
+            self._pool, self._probe_channels, self._pid = None, {}, -1
+
+    def __enter__(self) -> "ShardedClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ShardedClient({list(self.addresses)!r}, timeout={self.timeout})"
+
+
+def _raise_first(errors: Mapping[int, BaseException]) -> None:
+    """Raise the error of the lowest shard, if any, naming the shard."""
+    if errors:
+        shard = min(errors)
+        exc = errors[shard]
+        if isinstance(exc, ReplayError) and is_down(exc):
+            raise type(exc)(f"shard {shard}: {exc}") from exc
+        raise exc
+
+
+def _rebuild(addresses: list[str], client_class: Callable[..., "Client"],
+             settings: dict[str, Any]) -> ShardedClient:
+    return ShardedClient(addresses, client_class, **settings)

@@ -1,0 +1,369 @@
+"""The backend of a buffer spread over shards (see :mod:`millpond.sharded`).
+
+:class:`ShardedBuffer` has the methods of :class:`~millpond.remote.RemoteBuffer`
+and composes one per shard, so the public handles wrap it unchanged.
+
+* **Writes** stick to the handle's shard (the client's handles take the
+  shards in turn): a batch is never split, so episodes and sequences pushed
+  through one handle stay on one shard. A shard that does not answer within
+  the deadline hands the handle (and the batch) to the next live shard. A
+  batch that was in flight when its shard died may have been stored there
+  as well: pushes are acknowledged at least once, never lost.
+* **Samples** (replay mode) draw per-shard counts from a multinomial over the
+  live shards' sizes (prioritized: their ``priority ** alpha`` mass), fetch
+  them in parallel and concatenate them in shard order; prioritized weights
+  are made global and ``indices`` carry their shard
+  (:mod:`millpond.sharding`). A queue or stack returns the oldest (newest)
+  records of the shard that holds the most.
+* **Rate limiters** stay per shard: each shard applies the buffer's limiter
+  to its own inserts and samples.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from .batching import PushBatcher
+from .core.checks import check_batch_size, check_indices, check_priorities, check_seed, check_timeout
+from .core.config import BufferConfig, ConfiguredBuffer, check_exponent
+from .core.info import BufferInfo, ShardInfo
+from .errors import (
+    BufferClosedError,
+    BufferNotFoundError,
+    InvalidArgumentError,
+    InvalidConfigError,
+    NotEnoughDataError,
+    ServerUnavailableError,
+)
+from .grpc_transport import FRAMING_BYTES
+from .remote import RemoteBuffer
+from .sharding import (
+    aggregate,
+    decode_indices,
+    encode_indices,
+    global_config,
+    is_down,
+    pieces,
+    plan,
+    rescale_weights,
+)
+
+if TYPE_CHECKING:
+    from .sharded import ShardedClient
+
+
+class ShardedBuffer(ConfiguredBuffer):
+    """The buffer ``name`` on every shard of ``client`` (shard ``i`` with ``configs[i]``).
+
+    ``owner``: this handle's create made it, so :meth:`close` deletes it on
+    every shard. Picklable (never owning); safe after fork.
+    """
+
+    def __init__(self, client: "ShardedClient", name: str, configs: list[BufferConfig],
+                 owner: bool = False):
+        refuse_episodic(configs)
+        self._client = client
+        self.name = name
+        self.shard_configs = list(configs)
+        self.config = global_config(configs)
+        self.owner = owner
+        self.remotes = [RemoteBuffer(shard_client, name, config)
+                        for shard_client, config in zip(client.clients, configs)]
+        self._home = client.next_shard()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._batcher: PushBatcher | None = None
+        self._beta: float | None = None  # the last set_beta: down shards get it once back
+
+    def __reduce__(self):
+        return (ShardedBuffer, (self._client, self.name, self.shard_configs))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def shard(self) -> int:
+        """The shard this handle's pushes go to."""
+        return self._home
+
+    def __len__(self) -> int:
+        return self.info().size
+
+    def info(self) -> BufferInfo:
+        """Counters summed over the shards; ``info.shards`` has each one's (None if down)."""
+        self._check_open()
+        self.flush()
+        infos = self._infos()
+        down = self._client.down()
+        shards = [ShardInfo(s, self._client.addresses[s], infos.get(s),
+                            None if s in infos else down.get(s, "not asked: marked down"))
+                  for s in range(self._client.shards)]
+        return aggregate(self.name, self.config, shards)
+
+    def _infos(self) -> dict[int, BufferInfo]:
+        """The info of every shard that answers (every shard is tried if none is live)."""
+        client = self._client
+        live = client.live() or list(range(client.shards))
+        infos, errors = client.fan_out(live, lambda s: client.clients[s].connection.grpc.info(
+            self.name, client.timeout))
+        _raise_answered(errors)
+        if self._beta is not None:  # a shard that was down missed a set_beta
+            stale = [s for s, i in infos.items() if i.beta is not None and i.beta != self._beta]
+            for s in stale:
+                self.remotes[s].set_beta(self._beta)
+                infos[s] = client.clients[s].connection.grpc.info(self.name, client.timeout)
+        return infos
+
+    # ---- writes ---------------------------------------------------------------------------
+
+    def push(self, record: Mapping[str, Any], priority: float | None = None, *,
+             timeout: float | None = None) -> None:
+        """Queue one record for the next batch of this handle's shard (as
+        :meth:`RemoteBuffer.push`: sent at once with a priority or a timeout)."""
+        self._check_open()
+        timeout = check_timeout(timeout)
+        limit = self._client.push_batch_size
+        if priority is not None or timeout is not None or limit <= 1:
+            self._check_priorities_allowed(priority)
+            prios = None if priority is None else check_priorities([priority], 1)
+            batch = self.schema.coerce_record(record)
+            self.flush()
+            self._send(1, batch, prios, timeout)
+            return
+        if self._batcher is None:
+            fits = max(1, (self._client.max_message_bytes - FRAMING_BYTES)
+                       // self.schema.record_nbytes)
+            self._batcher = PushBatcher(self.schema, self._send_batch, min(limit, fits),
+                                        self._client.push_max_delay)
+        self._batcher.add(record)
+
+    def push_batch(self, columns: Mapping[str, Any], priorities: Any = None, *,
+                   timeout: float | None = None) -> int:
+        """Store a batch on this handle's shard, whole; returns its length."""
+        self._check_open()
+        timeout = check_timeout(timeout)
+        n, batch = self.schema.coerce_batch(columns)
+        self._check_priorities_allowed(priorities)
+        prios = None if priorities is None else check_priorities(priorities, n)
+        self.flush()
+        self._send(n, batch, prios, timeout)
+        return n
+
+    def flush(self) -> None:
+        """Return once every record queued by ``push`` is stored."""
+        if self._batcher is not None:
+            self._batcher.flush()
+
+    def _send_batch(self, columns: dict[str, np.ndarray]) -> None:
+        self._send(len(next(iter(columns.values()))), columns, None, None)
+
+    def _send(self, n: int, batch: dict[str, np.ndarray], priorities: np.ndarray | None,
+              timeout: float | None) -> None:
+        """Push to this handle's shard; if it does not answer, to the next live one."""
+        tried: set[int] = set()
+        while True:
+            shard = self._writer(tried)
+            try:
+                self.remotes[shard]._send(n, batch, priorities, timeout)
+                return
+            except Exception as exc:
+                if not is_down(exc):
+                    raise
+                self._client.mark_down(shard, exc)
+                tried.add(shard)
+                if len(tried) == self._client.shards:
+                    raise
+
+    def _writer(self, tried: set[int]) -> int:
+        """This handle's shard if live, else the next live one (which becomes its shard)."""
+        n = self._client.shards
+        live = [s for s in self._client.live() if s not in tried]
+        with self._lock:
+            home = self._home
+            if home in live:
+                return home
+            candidates = live or [s for s in range(n) if s not in tried]
+            self._home = min(candidates, key=lambda s: (s - home) % n)
+            return self._home
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        """Route each index to its shard; returns how many records were still live.
+        Updates meant for a shard that does not answer are dropped (not counted)."""
+        self._check_open()
+        self._check_priorities_allowed(True)
+        indices = check_indices(indices)
+        values = check_priorities(priorities, len(indices))
+        shards, seqs = decode_indices(indices, self._client.shards)
+        self.flush()
+        rows = {int(s): np.flatnonzero(shards == s) for s in np.unique(shards)}
+        updated, errors = self._client.fan_out(
+            list(rows), lambda s: self.remotes[s].update_priorities(seqs[rows[s]], values[rows[s]]))
+        _raise_answered(errors)
+        return int(sum(updated.values()))
+
+    def set_beta(self, beta: float) -> None:
+        """Set beta on every live shard (down ones get it when they are back)."""
+        self._check_open()
+        self._check_priorities_allowed(True)
+        self._beta = beta = check_exponent("beta", beta)
+        _, errors = self._client.fan_out(self._client.live(),
+                                         lambda s: self.remotes[s].set_beta(beta))
+        _raise_answered(errors)
+
+    def _check_priorities_allowed(self, priorities: Any) -> None:
+        if priorities is not None and self.config.prioritized is None:
+            raise InvalidArgumentError("priorities are for prioritized buffers; this one is uniform")
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    def sample(self, batch_size: int, seed: int | None = None, *,
+               timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Draw ``batch_size`` records over the live shards (see the module docstring)."""
+        self._check_open()
+        k, seed, timeout = check_batch_size(batch_size), check_seed(seed), check_timeout(timeout)
+        self.flush()
+        if self._client.shards == 1:  # one shard: its own draw is the draw
+            return self._tagged(0, self.remotes[0].sample(k, seed, timeout=timeout))
+        infos = self._infos()
+        if not infos:
+            raise ServerUnavailableError(f"no shard of buffer {self.name!r} answered: "
+                                         f"{self._client.down()}")
+        if self.config.removes:
+            return self._pop(k, timeout, infos)
+        sizes = {s: i.size for s, i in infos.items()}
+        limited = self.config.rate_limiter is not None
+        if not limited and k > sum(sizes.values()):
+            raise NotEnoughDataError(f"batch_size {k} > buffer len {sum(sizes.values())}")
+        masses: dict[int, float] = dict(sizes)
+        if self.config.prioritized is not None and any(i.priority_total for i in infos.values()):
+            masses = {s: float(i.priority_total or 0.0) for s, i in infos.items()}
+        global_min = min((i.priority_min for i in infos.values() if i.priority_min is not None),
+                         default=None)
+        rng = np.random.default_rng(seed)
+        counts, seeds = plan(rng, k, masses, self._client.shards, seed is not None)
+        parts: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}  # (shard, round, piece)
+        for round_ in itertools.count():
+            if not counts:
+                break
+            if not limited and self.config.max_times_sampled:
+                counts = _cap(counts, {s: sizes[s] for s in masses})
+            jobs = [(s, j, b, sd) for s, c in sorted(counts.items())
+                    for j, (b, sd) in enumerate(pieces(c, sizes[s], seeds[s]) if not limited
+                                                and not self.config.max_times_sampled
+                                                else [(c, seeds[s])])]
+            got, errors = self._client.fan_out(
+                jobs, lambda job: self.remotes[job[0]].sample(job[2], job[3], timeout=timeout),
+                shard_of=lambda job: job[0])
+            _raise_answered(errors)
+            for (s, j, _, _), part in got.items():
+                parts[s, round_, j] = self._tagged(s, part, infos[s], global_min)
+            lost = sum(job[2] for job in errors)  # drawn from shards that died since: redraw
+            for job in errors:
+                masses.pop(job[0], None)
+            if lost and not masses:
+                raise ServerUnavailableError(f"no shard of buffer {self.name!r} answered")
+            if lost:
+                counts, seeds = plan(rng, lost, masses, self._client.shards, seed is not None)
+            else:
+                counts = {}
+        ordered = [parts[key] for key in sorted(parts)]
+        return {name: np.concatenate([p[name] for p in ordered]) for name in ordered[0]}
+
+    def _tagged(self, shard: int, part: dict[str, np.ndarray], info: BufferInfo | None = None,
+                global_min: float | None = None) -> dict[str, np.ndarray]:
+        """A shard's sample with indices that carry the shard and weights against the
+        whole buffer's smallest priority (``info``: the shard's, read before the draw)."""
+        if "indices" in part:
+            part["indices"] = encode_indices(shard, part["indices"])
+        if "weights" in part and info is not None and global_min is not None:
+            part["weights"] = rescale_weights(part["weights"], info.priority_min, global_min,
+                                              info.beta)
+        return part
+
+    def _pop(self, k: int, timeout: float | None,
+             infos: dict[int, BufferInfo]) -> dict[str, np.ndarray]:
+        """Queue / stack: the oldest (newest) records of the shard holding the most."""
+        n = self._client.shards
+        order = sorted(infos, key=lambda s: (-infos[s].size, (s - self._home) % n))
+        for shard in order:
+            try:
+                return self.remotes[shard].sample(k, None, timeout=timeout)
+            except Exception as exc:
+                if not is_down(exc) or shard == order[-1]:
+                    raise
+                self._client.mark_down(shard, exc)
+        raise AssertionError("unreachable")
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Flush; then delete the buffer on every shard if this handle created it, else release."""
+        if self.owner:
+            self.delete()
+        else:
+            self.release()
+
+    def delete(self) -> None:
+        """Flush queued pushes, then delete the buffer on every shard. Idempotent."""
+        if self._closed:
+            return
+        if self._batcher is not None:
+            self._batcher.close()
+
+        def delete(shard: int) -> None:
+            try:
+                self._client.clients[shard].connection.grpc.delete(self.name, self._client.timeout)
+            except BufferNotFoundError:
+                pass
+
+        _, errors = self._client.fan_out(list(range(self._client.shards)), delete)
+        if errors:
+            raise errors[min(errors)]
+        self._closed = True
+
+    def release(self) -> None:
+        """Flush queued pushes and stop using this handle; the shards keep the buffer."""
+        if not self._closed:
+            try:
+                if self._batcher is not None:
+                    self._batcher.close()
+            finally:
+                self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosedError(f"buffer {self.name!r} was closed")
+
+
+def _raise_answered(errors: Mapping[Any, BaseException]) -> None:
+    """Raise the first error a shard answered with (not answering is handled by the caller)."""
+    for job in sorted(errors, key=lambda j: j if isinstance(j, int) else j[0:2]):
+        if not is_down(errors[job]):
+            raise errors[job]
+
+
+def _cap(counts: dict[int, int], sizes: dict[int, int]) -> dict[int, int]:
+    """Counts no larger than the shards' drawable records (``max_times_sampled``): the
+    excess goes to the shards with the most room (the lowest index on ties)."""
+    out = {s: min(c, sizes[s]) for s, c in counts.items()}
+    excess = sum(counts.values()) - sum(out.values())
+    while excess:
+        room = {s: size - out.get(s, 0) for s, size in sizes.items() if size > out.get(s, 0)}
+        target = (max(room, key=lambda s: (room[s], -s)) if room
+                  else max(sizes, key=lambda s: (sizes[s], -s)))  # it will say it is short
+        take = min(excess, room[target]) if room else excess
+        out[target] = out.get(target, 0) + take
+        excess -= take
+    return {s: c for s, c in out.items() if c}
+
+
+def refuse_episodic(configs: list[BufferConfig]) -> None:
+    """Episodic buffers are not sharded (yet): say so before anything is made."""
+    if any(config.episodes for config in configs):
+        raise InvalidConfigError("episodic buffers (episodes=True) are not sharded yet: "
+                                 "give one address")

@@ -1,0 +1,119 @@
+"""What each gRPC call did, for metrics and logs: a server interceptor.
+
+Installed only when something uses it (``--metrics-port``, ``--log-format
+json`` or ``--log-level debug``), so a plain daemon's calls pay nothing. For
+each unary call it:
+
+* sets :data:`.logs.CALL` for the call's task, so every line logged while
+  serving it names its ``method``, ``peer`` and ``buffer`` (the name is read
+  from the request bytes only when a line is logged);
+* reports the method, the outcome (``OK`` or the gRPC status name) and the
+  seconds taken to :meth:`.metrics.Metrics.call`;
+* logs one ``call`` line at debug level.
+
+The fast path reports its calls to the same place from its session threads
+(:attr:`.operations.Operations.observer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+import grpc
+
+from millpond.wire.frames import decode_name
+
+from .logs import CALL
+
+log = logging.getLogger("millpond.calls")
+
+# Methods whose request has the buffer name in field 1.
+NAMED = frozenset(("Create", "Push", "PushBatch", "Sample", "Close", "Info", "UpdatePriorities",
+                   "SetBeta"))
+
+
+class CallContext:
+    """The call being served: its method, peer and (parsed lazily) buffer."""
+
+    __slots__ = ("method", "peer", "request")
+
+    def __init__(self, method: str, peer: str, request: Any):
+        self.method, self.peer, self.request = method, peer, request
+
+    @property
+    def buffer(self) -> str | None:
+        if self.method not in NAMED or not isinstance(self.request, (bytes, memoryview)):
+            return None
+        try:
+            return decode_name(self.request) or None
+        except Exception:  # a malformed request: its error says so
+            return None
+
+    def fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"method": self.method, "peer": self.peer}
+        buffer = self.buffer
+        if buffer is not None:
+            out["buffer"] = buffer
+        return out
+
+
+class ObservingInterceptor(grpc.aio.ServerInterceptor):
+    """Times unary calls and names them in log lines; see the module docstring.
+
+    ``report(transport, method, code, seconds)``: where outcomes go (the
+    metrics), or None.
+    """
+
+    def __init__(self, report: Callable[[str, str, str, float], None] | None):
+        self.report = report
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        method = details.method.rpartition("/")[2]
+        inner = handler.unary_unary
+        report = self.report
+
+        async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start = time.perf_counter()
+            CALL.set(CallContext(method, context.peer(), request))
+            code = "UNKNOWN"
+            try:
+                result = await inner(request, context)
+                code = _code(context) or "OK"
+                return result
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except BaseException:
+                code = _code(context) or "UNKNOWN"
+                raise
+            finally:
+                seconds = time.perf_counter() - start
+                if report is not None:
+                    report("grpc", method, code, seconds)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("call", extra={"kv": {"code": code, "ms": round(seconds * 1e3, 3)}})
+
+        return grpc.unary_unary_rpc_method_handler(
+            observed, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+
+def _code(context: grpc.aio.ServicerContext) -> str | None:
+    """The status the handler set (by abort or set_code), if any."""
+    try:
+        code = context.code()
+    except Exception:
+        return None
+    if code is None:
+        return None
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return grpc.StatusCode(code).name if isinstance(code, tuple) else str(code)

@@ -1,0 +1,125 @@
+"""``--metrics-port`` (Prometheus), ``--log-format json``, and the Grafana dashboard."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import millpond
+from support import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "docker" / "grafana-dashboard.json"
+FIELDS = {"x": ("int64", ())}
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory):
+    """A daemon with metrics on a free port and JSON logs at debug level."""
+    server = ServerProcess(tmp_path_factory.mktemp("metrics") / "data", "--metrics-port", "0",
+                           "--log-format", "json", "--log-level", "debug")
+    server.proc = subprocess.Popen(server.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=server.env)
+    first = server.proc.stdout.readline().strip()
+    assert first.startswith("metrics on 127.0.0.1:"), first
+    server.metrics = first.rpartition(" ")[2]
+    # Read on through the same buffered stream (a select() on its fd could miss a line
+    # the first readline already buffered).
+    second = server.proc.stdout.readline().strip()
+    assert second.startswith("serving on "), second
+    server.address = second.rpartition(" ")[2]
+    yield server
+    server.stop()
+
+
+def scrape(server) -> dict[str, float]:
+    """``{'name{labels}': value}`` of every sample the server exports."""
+    text = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def test_buffers_calls_waits_and_the_fast_path_are_counted(observed):
+    for shm in (False, True):
+        client = millpond.connect(observed.address, shm=shm)
+        name = f"m-{'shm' if shm else 'grpc'}"
+        buf = client.create_buffer(name, capacity=8, fields=FIELDS,
+                                   rate_limiter=millpond.MinSize(4))
+        buf.push_batch(x=np.arange(3))
+        with pytest.raises(millpond.RateLimitTimeoutError):
+            buf.sample(2, timeout=0.05)
+        buf.push_batch(x=np.arange(7))  # 10 pushed into 8 slots: 2 evicted
+        buf.sample(5)
+    found = scrape(observed)
+    for transport, name in (("grpc", "m-grpc"), ("shm", "m-shm")):
+        assert found[f'millpond_buffer_size{{buffer="{name}"}}'] == 8
+        assert found[f'millpond_buffer_capacity{{buffer="{name}",tier="total"}}'] == 8
+        assert found[f'millpond_buffer_inserts_total{{buffer="{name}"}}'] == 10
+        assert found[f'millpond_buffer_samples_total{{buffer="{name}"}}'] == 5
+        assert found[f'millpond_buffer_bytes_in_total{{buffer="{name}"}}'] == 80
+        assert found[f'millpond_buffer_bytes_out_total{{buffer="{name}"}}'] == 40
+        assert found[f'millpond_buffer_evicted_records_total{{buffer="{name}"}}'] == 2
+        assert found[f'millpond_rate_limiter_wait_seconds_count{{buffer="{name}",kind="sample"}}'] == 1
+        assert found[f'millpond_rpc_duration_seconds_count{{method="Sample",transport="{transport}"}}'] == 2
+        assert found[f'millpond_rpc_errors_total{{code="DEADLINE_EXCEEDED",method="Sample",'
+                     f'transport="{transport}"}}'] == 1
+    assert found['millpond_rpc_duration_seconds_count{method="Create",transport="grpc"}'] == 2
+    assert found["millpond_ready"] == 1 and found["millpond_buffers"] == 2
+    assert found["millpond_shm_sessions"] >= 1 and found["millpond_shm_bytes"] > 0
+
+
+def test_the_dashboard_plots_only_metrics_the_server_exports(observed):
+    exported = {key.partition("{")[0] for key in scrape(observed)}
+    dashboard = json.loads(DASHBOARD.read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"\b(millpond_\w+)", target["expr"])}
+    assert len(queried) >= 15 and queried <= exported, queried - exported
+
+
+def test_json_logs_name_the_buffer_method_and_peer(observed):
+    client = millpond.connect(observed.address, shm=False)
+    client.create_buffer("logged", capacity=4, fields=FIELDS).push_batch(x=np.arange(2))
+    observed.stop()
+    lines = [json.loads(line) for line in observed.proc.stderr.read().splitlines()]
+    calls = [entry for entry in lines if entry["msg"] == "call"
+             and entry.get("buffer") == "logged" and entry["method"] == "PushBatch"]
+    assert calls and calls[0]["code"] == "OK" and calls[0]["peer"].startswith("ipv4:127.0.0.1:")
+    assert all({"ts", "level", "logger", "msg"} <= set(entry) for entry in lines)
+
+
+def test_metrics_without_prometheus_client_exit_2_saying_what_to_install(tmp_path):
+    code = ("import sys; sys.modules['prometheus_client'] = None; "
+            "from millpond_server.cli import main; "
+            f"sys.exit(main(['serve', '--port', '0', '--metrics-port', '0', "
+            f"'--data-dir', {str(tmp_path / 'data')!r}]))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "millpond[metrics]" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_metrics_port_in_use_exits_1_saying_so(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "millpond_server", "serve", "--port", "0", "--metrics-port",
+             str(port), "--data-dir", str(tmp_path / "data")],
+            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"cannot bind the metrics port 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
