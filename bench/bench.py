@@ -22,6 +22,7 @@ daemons (bench_sharded.py).
 from __future__ import annotations
 
 import argparse
+import shutil
 import os
 import statistics
 import sys
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import millpond  # noqa: E402
 from millpond.core import BufferConfig, Prioritized, Schema, TieredBuffer  # noqa: E402
+from bench_episodes import section as episodes_section  # noqa: E402
 from bench_sharded import sharded_section  # noqa: E402
 from grpc_limits import grpc_limits_section  # noqa: E402
 from support import ServerProcess  # noqa: E402
@@ -445,18 +447,22 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="millpond-bench-"))
     print(f"millpond {millpond.__version__} benchmark; numpy {np.__version__}; "
           f"{os.cpu_count()} cores; sample batch {SAMPLE_BATCH}; median of 3 x {seconds}s\n")
-    with ServerProcess(tmp / "data") as server:
-        results = throughput_table(server, tmp, args.quick, seconds)
-        shared_memory_section(results, server, seconds)
-        prioritized_shm_rows(server, args.quick, seconds)
-        grpc_limits_section(server.address, workloads(args.quick), tmp, seconds, CALLERS)
-        queue_section(server, seconds)
-        memory_figure(server, 100_000 if args.quick else 1_000_000)
-    durability_section(tmp, seconds)
-    larger_than_memory.section(tmp, args.quick, seconds)
-    prioritized_section(tmp, args.quick, seconds)
-    auth_section(tmp, seconds)
-    sharded_section(tmp, workloads(args.quick), CALLERS, timed_rate, fmt_rate, seconds)
+    try:
+        with ServerProcess(tmp / "data") as server:
+            results = throughput_table(server, tmp, args.quick, seconds)
+            shared_memory_section(results, server, seconds)
+            prioritized_shm_rows(server, args.quick, seconds)
+            grpc_limits_section(server.address, workloads(args.quick), tmp, seconds, CALLERS)
+            queue_section(server, seconds)
+            memory_figure(server, 100_000 if args.quick else 1_000_000)
+            episodes_section(server.address, args.quick, seconds, timed_rate)
+        durability_section(tmp, seconds)
+        larger_than_memory.section(tmp, args.quick, seconds)
+        prioritized_section(tmp, args.quick, seconds)
+        auth_section(tmp, seconds)
+        sharded_section(tmp, workloads(args.quick), CALLERS, timed_rate, fmt_rate, seconds)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gigabytes of buffer files
 
 
 if __name__ == "__main__":

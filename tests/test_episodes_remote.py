@@ -235,3 +235,21 @@ def test_acknowledged_episodes_survive_a_crash_of_the_daemon(tmp_path, sig):
         out = buf.sample_sequences(16, 5, seed=0)
         assert (out["lens"] >= 1).all()
         assert buf.info()["episodes"] >= sum(len(v) for v in acknowledged.values())
+
+
+def test_the_toml_file_declares_episodic_buffers(tmp_path):
+    toml = tmp_path / "buffers.toml"
+    toml.write_text('[[buffers]]\nname = "r2d2"\ncapacity = 100\nobs_dim = 2\nact_dim = 1\n'
+                    'episodes = true\n[buffers.meta_fields]\ntask = { dtype = "int32" }\n')
+    with ServerProcess(tmp_path / "data", "--config", str(toml)) as server:
+        buf = millpond.connect(server.address).buffer("r2d2")
+        assert buf.config.episodes and buf.info()["meta_fields"] == {"task": ("<i4", ())}
+        with buf.one_episode(task=3):
+            for t in range(4):
+                buf.push(**step(t))
+        assert buf.sample_sequences(2, 4, seed=0)["task"].tolist() == [3, 3]
+    toml.write_text('[[buffers]]\nname = "bad"\ncapacity = 10\nobs_dim = 2\nact_dim = 1\n'
+                    'episodes = "yes"\n')
+    bad = ServerProcess(tmp_path / "data2", "--config", str(toml))
+    with pytest.raises(RuntimeError, match="episodes must be True or False"):
+        bad.start(timeout=30)

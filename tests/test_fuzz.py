@@ -43,10 +43,23 @@ def target(address: str):
     return buf
 
 
+def episodic_target(address: str):
+    """An episodic transition buffer with a meta field, for the episodic calls (made over
+    gRPC: a fast-path session of this helper would keep segments mapped in the daemon)."""
+    buf = millpond.connect(address, shm=False).create_buffer(
+        "episodes", hot_capacity=4, total_capacity=16, obs_dim=2, act_dim=1, episodes=True,
+        meta_fields={"task": ("int64", ())})
+    with buf.one_episode(task=1):
+        for t in range(5):
+            buf.push(np.ones(2), [0.0], 1.0, t == 4, False, np.ones(2))
+    return buf
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     with ServerProcess(tmp_path_factory.mktemp("fuzz") / "data") as server:
         target(server.address)
+        episodic_target(server.address)
         yield server
 
 
@@ -93,9 +106,64 @@ def test_hostile_bytes_on_every_method_get_client_errors(daemon, method, body):
     assert daemon.proc.poll() is None
 
 
+def valid_episodic() -> dict[str, bytes]:
+    """A valid request of each episodic call on the episodic target, to mutate."""
+    meta = pb.Batch(columns=[pb.Column(name="task", dtype="<i8", shape=[],
+                                       data=np.int64(1).tobytes())])
+    columns = {"obs": np.ones((2, 2), np.float32), "next_obs": np.ones((2, 2), np.float32),
+               "actions": np.zeros((2, 1), np.float32), "rewards": np.ones(2, np.float32),
+               "terminated": np.array([False, True]), "truncated": np.zeros(2, bool),
+               "#episode": np.array([7, 7])}
+    update = pb.EpisodeUpdate(episode_id=7, meta=meta, end=True)
+    return {
+        "PushBatch": encode_with_batch(PUSH_BATCH_FIELD, columns, "episodes")
+        + bytes([5 << 3 | 2, len(update.SerializeToString())]) + update.SerializeToString(),
+        "Sample": pb.SampleRequest(name="episodes", batch_size=2, n_step=3, gamma=0.9,
+                                   filter_meta=meta).SerializeToString(),
+        "SampleSequences": pb.SampleSequencesRequest(
+            name="episodes", batch_size=2, seq_len=3, filter_meta=meta).SerializeToString(),
+        "SampleEpisodes": pb.SampleEpisodesRequest(
+            name="episodes", batch_size=2, max_len=3).SerializeToString(),
+        "EpisodeCatalog": pb.EpisodeCatalogRequest(name="episodes",
+                                                   filter_meta=meta).SerializeToString(),
+        "Read": pb.ReadRequest(name="episodes", seqs=[0, 1, 99],
+                               fields=["obs"]).SerializeToString(),
+        "UpdateEpisodes": pb.UpdateEpisodesRequest(name="episodes",
+                                                   updates=[update]).SerializeToString(),
+    }
+
+
+EPISODIC = valid_episodic()
+
+
+@FUZZ
+@given(call=st.sampled_from(sorted(EPISODIC)).flatmap(
+    lambda method: st.tuples(st.just(method), mutations(EPISODIC[method]))))
+def test_hostile_episodic_requests_get_client_errors(daemon, call):
+    method, body = call
+    with grpc.insecure_channel(daemon.address) as channel:
+        rpc = channel.unary_unary(f"/millpond.v1.Replay/{method}", request_serializer=None,
+                                  response_deserializer=None)
+        try:
+            rpc(body, timeout=10)
+        except grpc.RpcError as exc:
+            assert exc.code() in CLIENT_ERRORS, (method, exc.code(), exc.details())
+    assert daemon.proc.poll() is None
+
+
+def test_the_valid_episodic_requests_are_valid(daemon):
+    """The fuzz's seeds succeed unmutated: the fuzz starts from the real thing."""
+    with grpc.insecure_channel(daemon.address) as channel:
+        for method, body in EPISODIC.items():
+            channel.unary_unary(f"/millpond.v1.Replay/{method}", request_serializer=None,
+                                response_deserializer=None)(body, timeout=10)
+
+
 def test_after_the_grpc_fuzz_the_daemon_serves(daemon):
     buf = target(daemon.address)
     assert len(buf) >= 8 and buf.sample(4, seed=0)["x"].shape == (4, 3)
+    episodes = episodic_target(daemon.address)
+    assert episodes.sample_sequences(2, 3, seed=0)["obs"].shape == (2, 3, 2)
 
 
 JSON = st.recursive(
@@ -104,12 +172,15 @@ JSON = st.recursive(
                                                                  max_size=4),
     max_leaves=12)
 OPS = st.sampled_from(["hello", "push_segment", "push", "result_segment", "sample",
-                       "update_priorities", "set_beta", "release", "nope"])
+                       "update_priorities", "set_beta", "release", "sample_sequences",
+                       "sample_n_step", "read", "nope"])
 FIELDS = st.sampled_from(["buffer", "segment", "n", "columns", "offset", "batch_size", "seed",
-                          "size", "timeout", "indices", "priorities", "beta", "version"])
+                          "size", "timeout", "indices", "priorities", "beta", "version",
+                          "seq_len", "n_step", "gamma", "filter_meta", "updates", "fields",
+                          "push_segment", "seqs"])
 MESSAGES = st.builds(lambda op, body: {"op": op, **body}, OPS,
-                     st.dictionaries(FIELDS, JSON | st.just("target") | st.integers(0, 1 << 22),
-                                     max_size=6))
+                     st.dictionaries(FIELDS, JSON | st.sampled_from(["target", "episodes"])
+                                     | st.integers(0, 1 << 22), max_size=6))
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -29,3 +31,10 @@ def test_server_quickstart_runs(server):
 
 def test_rate_limit_example_runs():
     exec(compile(python_blocks()[2], "README.md[2]", "exec"), {})
+
+
+@pytest.mark.parametrize("marker", ["buf.sample_sequences(32, 20", "n_step=3, gamma=0.5"])
+def test_episode_examples_run(marker):
+    """The R2D2-style sequence example and the n-step example run as written."""
+    block = next(b for b in python_blocks() if marker in b)
+    exec(compile(block, "README.md", "exec"), {})

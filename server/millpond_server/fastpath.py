@@ -116,6 +116,9 @@ class FastPathSession(threading.Thread):
         except Exception as exc:
             error = self.ops.classify(exc, f"shm {op}")
             code = status_for(error)[0].name
+            # Its traceback's frames hold segment views: a cycle (frame, error, traceback)
+            # would keep a segment mapped after its session ends, until the next GC.
+            exc.__traceback__ = None
             return protocol.error_reply(error), []
         finally:
             protocol.close_fds(fds)
@@ -317,13 +320,20 @@ class FastPathSession(threading.Thread):
         return {"ok": True}, []
 
     def _result_views(self, message: dict, specs: protocol.Specs) -> dict[str, np.ndarray]:
-        """The arrays of ``specs`` in the request's result segment, bounds checked."""
-        mm = req.mapped(self.result_segments, message.get("segment"))
-        _, total = protocol.spec_layout(specs)
-        offset = message.get("offset")
-        req.segment_view(mm, offset, np.dtype(np.uint8), total, message["op"], protocol.ALIGN)
-        assert isinstance(offset, int)  # checked by segment_view
-        return protocol.spec_views(mm, offset, specs)
+        """The arrays of ``specs`` in the request's result segment, bounds checked (built
+        once per segment, offset and shapes: learners repeat their requests)."""
+        key = (message.get("segment"), message.get("offset"), specs)
+        views = self._sample_views.get(key)
+        if views is None:
+            mm = req.mapped(self.result_segments, key[0])
+            _, total = protocol.spec_layout(specs)
+            offset = key[1]
+            req.segment_view(mm, offset, np.dtype(np.uint8), total, message["op"], protocol.ALIGN)
+            assert isinstance(offset, int)  # checked by segment_view
+            if len(self._sample_views) >= 64:
+                self._sample_views.clear()
+            views = self._sample_views[key] = (protocol.spec_views(mm, offset, specs), {})
+        return views[0]
 
     # ---- lifecycle ------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Each record of an episodic buffer carries, in per-slot arrays beside it: its
 episode's id, its step (counted from the episode's first record, evicted or
-not), the seq of the episode's next record (-1: none yet) and, on the
+not), the seq of the episode's next record (its own seq while there is
+none: a walk along the pointers then stays put, with no test) and, on the
 episode's first and last records once it has ended, the episode's length
 (0 while it runs). Meta fields (values per episode) are per-slot arrays too,
 written on every record of the episode as they become known. A persistent
@@ -169,7 +170,7 @@ class EpisodeIndex:
         slots = seqs[kept] % total
         self.episode[slots] = e
         self.step[slots] = steps[kept]
-        self.next[slots] = np.r_[seqs[1:], -1][kept]
+        self.next[slots] = np.r_[seqs[1:], seqs[-1]][kept]  # the last points at itself
         entry.last, entry.step = int(seqs[-1]), int(steps[-1])
         if entry.meta:
             self._write_meta(slots, entry.meta)
@@ -286,24 +287,30 @@ class EpisodeIndex:
     def lengths(self, heads: np.ndarray) -> np.ndarray:
         return self.length[heads % self.fifo.total_capacity].copy()
 
+    def walk(self, starts: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """``length - 1`` steps along the next pointers from each start: seqs
+        ``[len(starts), length]``, repeating an episode's last live record past it (a
+        record with no next points at itself), and how many steps each row has before
+        that. Damaged records are not left out (see :meth:`windows`)."""
+        steps = np.empty((length, len(starts)), np.int64)  # one contiguous row per step
+        steps[0] = starts
+        for j in range(1, length):  # "wrap": the slot is the seq modulo the capacity
+            np.take(self.next, steps[j - 1], mode="wrap", out=steps[j])
+        # Steps count up by one along an episode: the walk's length, with no test per step.
+        lens = self.step.take(steps[-1], mode="wrap") - self.step.take(starts, mode="wrap") + 1
+        return steps.T, lens
+
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """Up to ``length`` records of each start's episode from the start on: seqs
         ``[len(starts), length]``, -1 past the episode's last live record."""
-        fifo, total = self.fifo, self.fifo.total_capacity
-        out = np.full((len(starts), length), -1, np.int64)
-        if not len(starts):
-            return out
-        out[:, 0] = current = starts
-        going = np.ones(len(starts), bool)
-        for j in range(1, length):
-            following = self.next[current % total]
-            going &= (following > current) & (following < fifo.pushed)
-            if len(fifo.holes):  # a damaged record ends the window
-                going &= ~np.isin(following, fifo.holes)
-            if not going.any():
-                break
-            current = np.where(going, following, current)
-            out[going, j] = current[going]
+        out, _ = self.walk(starts, length)
+        inside = np.empty(out.shape, bool)
+        inside[:, 0] = True
+        np.greater(out[:, 1:], out[:, :-1], out=inside[:, 1:])
+        if len(self.fifo.holes):  # a damaged record ends the window
+            inside &= ~np.isin(out, self.fifo.holes)
+        np.logical_and.accumulate(inside, axis=1, out=inside)
+        out[~inside] = -1
         return out
 
     def chains(self, heads: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -341,7 +348,8 @@ class EpisodeIndex:
             return
         slots = live % total
         pointers = self.next[slots]
-        self.next[slots[(pointers >= fifo.pushed) | (pointers <= live)]] = -1
+        broken = (pointers >= fifo.pushed) | (pointers < live)  # never committed, or garbage
+        self.next[slots[broken]] = live[broken]
         ids = self.episode[slots]
         order = np.lexsort((live, ids))
         ids, ordered = ids[order], live[order]

@@ -65,15 +65,16 @@ def sample_n_step(fifo: Fifo, index: EpisodeIndex, strategy: Any, rng: np.random
     ``terminated`` and ``truncated`` are those of step ``t + n_step_lens - 1``.
     """
     starts, extras = strategy.draw(rng, batch_size, _among(index, filter_meta))
-    seqs = index.windows(starts, n_step)
-    mask = seqs >= 0
-    lens = mask.sum(axis=1)
-    rewards = fifo.gather_rows(_fill(seqs, mask, starts), ["rewards"])["rewards"]
+    if len(fifo.holes):  # a damaged record ends a window: the general path
+        windows = index.windows(starts, n_step)
+        seqs, lens = _fill(windows, windows >= 0, starts), (windows >= 0).sum(axis=1)
+    else:  # past an episode's end: its last record again
+        seqs, lens = index.walk(starts, n_step)
+    inside = np.arange(n_step) < lens[:, None]
     discounts = gamma ** np.arange(n_step, dtype=np.float64)
-    returns = (rewards.astype(np.float64) * mask) @ discounts
+    returns = (fifo.take(seqs, "rewards") * inside) @ discounts
     head = fifo.gather_rows(starts, ["obs", "actions"], out)
-    tail = fifo.gather_rows(seqs[np.arange(len(seqs)), lens - 1],
-                            ["next_obs", "terminated", "truncated"], out)
+    tail = fifo.gather_rows(seqs[:, -1], ["next_obs", "terminated", "truncated"], out)
     rows = {**head, **tail, "rewards": returns.astype(fifo.schema["rewards"].dtype)}
     return _into(out, {**{name: rows[name] for name in fifo.schema.names}, "n_step_lens": lens,
                        **extras})
@@ -141,38 +142,38 @@ def _shown(filter_meta: Filter) -> dict[str, Any]:
 
 # ---- the shapes of results, known before the draw (for shared-memory replies) -------------
 
-Spec = list[tuple[str, np.dtype, tuple[int, ...]]]
+Spec = tuple[tuple[str, np.dtype, tuple[int, ...]], ...]  # hashable: layouts are cached
 _I8, _BOOL = np.dtype("<i8"), np.dtype(bool)
 
 
 def sequence_specs(config: BufferConfig, batch_size: int, seq_len: int) -> Spec:
     """Every array :func:`sample_sequences` returns: name, dtype, shape."""
     b = batch_size
-    return [*((f.name, f.dtype, (b, seq_len, *f.shape)) for f in config.schema),
-            ("mask", _BOOL, (b, seq_len)), ("lens", _I8, (b,)), ("episode_ids", _I8, (b,)),
-            ("start_steps", _I8, (b,)), *_meta_specs(config, b), *_extra_specs(config, b)]
+    return ((*((f.name, f.dtype, (b, seq_len, *f.shape)) for f in config.schema),
+             ("mask", _BOOL, (b, seq_len)), ("lens", _I8, (b,)), ("episode_ids", _I8, (b,)),
+             ("start_steps", _I8, (b,)), *_meta_specs(config, b), *_extra_specs(config, b)))
 
 
 def n_step_specs(config: BufferConfig, batch_size: int) -> Spec:
     """Every array :func:`sample_n_step` returns."""
-    return [*((f.name, f.dtype, (batch_size, *f.shape)) for f in config.schema),
-            ("n_step_lens", _I8, (batch_size,)), *_extra_specs(config, batch_size)]
+    return ((*((f.name, f.dtype, (batch_size, *f.shape)) for f in config.schema),
+             ("n_step_lens", _I8, (batch_size,)), *_extra_specs(config, batch_size)))
 
 
 def read_specs(config: BufferConfig, n: int, names: Sequence[str] | None) -> Spec:
     """Every array :func:`read` returns."""
-    return [*((f.name, f.dtype, (n, *f.shape)) for f in config.schema
-              if names is None or f.name in names), ("live", _BOOL, (n,))]
+    return ((*((f.name, f.dtype, (n, *f.shape)) for f in config.schema
+               if names is None or f.name in names), ("live", _BOOL, (n,))))
 
 
 def _meta_specs(config: BufferConfig, b: int) -> Spec:
-    return [(f.name, f.dtype, (b, *f.shape)) for f in config.meta_fields or ()]
+    return tuple((f.name, f.dtype, (b, *f.shape)) for f in config.meta_fields or ())
 
 
 def _extra_specs(config: BufferConfig, b: int) -> Spec:
     if config.prioritized is None:
-        return []
-    return [("weights", np.dtype("<f4"), (b,)), ("indices", _I8, (b,))]
+        return ()
+    return (("weights", np.dtype("<f4"), (b,)), ("indices", _I8, (b,)))
 
 
 def episodic_reply_nbytes(config: BufferConfig, op: str, n: int, params: Mapping[str, Any]) -> int:
@@ -187,7 +188,8 @@ def episodic_reply_nbytes(config: BufferConfig, op: str, n: int, params: Mapping
     elif op == "read":
         specs = read_specs(config, n, params.get("fields"))
     elif op == "sample":
-        specs = [(f.name, f.dtype, (n, *f.shape)) for f in config.schema] + _extra_specs(config, n)
+        specs = (*((f.name, f.dtype, (n, *f.shape)) for f in config.schema),
+                 *_extra_specs(config, n))
     else:
         return 0
     return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in specs)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import array
 import functools
 import json
+import math
 import os
 import socket
 import time
@@ -104,15 +105,17 @@ def sample_layout(schema: Schema, n: int, extras: bool) -> tuple[dict, dict, int
     return spans, extra_spans, pos
 
 
-Specs = Sequence[tuple[str, np.dtype, tuple[int, ...]]]  # (name, dtype, shape) per array
+Specs = tuple[tuple[str, np.dtype, tuple[int, ...]], ...]  # (name, dtype, shape) per array
 
 
+@functools.lru_cache(maxsize=256)  # learners ask for the same shapes again and again
 def spec_layout(specs: Specs) -> tuple[dict[str, tuple[int, int]], int]:
     """Where each array of ``specs`` (name, dtype, shape) sits in a segment, in order:
-    ``({name: (offset, nbytes)}, total)`` (episodic results, reads)."""
+    ``({name: (offset, nbytes)}, total)`` (episodic results, reads). Cached: do not
+    modify the result."""
     offsets, pos = {}, 0
     for name, dtype, shape in specs:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         offsets[name] = (pos, nbytes)
         pos = _align(pos + nbytes)
     return offsets, max(pos, ALIGN)
@@ -121,9 +124,8 @@ def spec_layout(specs: Specs) -> tuple[dict[str, tuple[int, int]], int]:
 def spec_views(mm: Any, offset: int, specs: Specs) -> dict[str, np.ndarray]:
     """Arrays over ``mm`` from ``offset`` laid out by :func:`spec_layout`."""
     spans, _ = spec_layout(specs)
-    return {name: np.frombuffer(mm, dtype, int(np.prod(shape, dtype=np.int64)),
-                                offset + spans[name][0]).reshape(shape)
-            for name, dtype, shape in specs}
+    return {name: np.frombuffer(mm, dtype, math.prod(shape), offset + spans[name][0])
+            .reshape(shape) for name, dtype, shape in specs}
 
 
 def encode_filter(filter_meta: dict[str, np.ndarray] | None) -> dict[str, Any] | None:
