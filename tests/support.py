@@ -64,6 +64,17 @@ class ServerProcess:
         self.stop()
 
 
+def start_all(servers: list[ServerProcess], timeout: float = 30.0) -> list[ServerProcess]:
+    """Start daemons in parallel (each still waits for its own ready line)."""
+    for server in servers:
+        server.proc = subprocess.Popen(server.args, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, env=server.env)
+    for server in servers:
+        assert server.proc is not None
+        server.address = wait_for_ready(server.proc, timeout)
+    return servers
+
+
 def wait_for_ready(proc: subprocess.Popen, timeout: float) -> str:
     """Read stdout until the ready line; return the address it names."""
     deadline = time.monotonic() + timeout

@@ -161,13 +161,6 @@ def test_prioritized_sequence_indices_update_priorities_remotely(three):
         assert again["weights"].max() == pytest.approx(1.0), transport
 
 
-def test_an_episodic_buffer_is_refused_by_a_sharded_client(shared_server, server):
-    client = millpond.connect([shared_server.address, server.address])
-    with pytest.raises(millpond.InvalidConfigError, match="not sharded"):
-        client.create_buffer("sharded-episodes", capacity=10, obs_dim=1, act_dim=1,
-                             episodes=True)
-
-
 # ---- crashes --------------------------------------------------------------------------------
 
 def episode_steps(actor: int, number: int, length: int) -> dict:

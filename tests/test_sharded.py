@@ -7,7 +7,6 @@ import itertools
 import math
 import pickle
 import signal
-import subprocess
 
 import numpy as np
 import pytest
@@ -16,21 +15,10 @@ import millpond
 from millpond.core import TieredBuffer
 from millpond.sharded import ShardedClient, resolve
 from millpond.sharding import SHARD_SHIFT, decode_indices, encode_indices, shard_configs, split
-from support import ServerProcess, wait_for_ready, wait_until
+from support import ServerProcess, start_all, wait_until
 
 FIELDS = {"id": ("int64", ())}
 _names = itertools.count()
-
-
-def start_all(servers: list[ServerProcess], timeout: float = 30.0) -> list[ServerProcess]:
-    """Start daemons in parallel (each still waits for its own ready line)."""
-    for server in servers:
-        server.proc = subprocess.Popen(server.args, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True, env=server.env)
-    for server in servers:
-        assert server.proc is not None
-        server.address = wait_for_ready(server.proc, timeout)
-    return servers
 
 
 @pytest.fixture(scope="module")

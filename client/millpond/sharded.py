@@ -45,7 +45,7 @@ from .errors import (
 )
 from .handle import Buffer, handle_for
 from .making import BufferMaker
-from .sharded_buffer import ShardedBuffer, refuse_episodic
+from .sharded_buffer import ShardedBuffer
 from .sharding import aggregate, global_config, is_down, same_but_capacities, shard_configs
 
 if TYPE_CHECKING:
@@ -242,7 +242,6 @@ class ShardedClient(BufferMaker):
         other setting is equal (else ConfigMismatchError). Every shard must
         answer.
         """
-        refuse_episodic([config])
         wanted = shard_configs(config, self.shards)
         found = self._infos(name, missing_ok=True)
         existing = {s: i.config for s, i in found.items() if i is not None}

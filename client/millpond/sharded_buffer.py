@@ -23,32 +23,36 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
 from .batching import PushBatcher
 from .core.checks import check_batch_size, check_indices, check_priorities, check_seed, check_timeout
 from .core.config import BufferConfig, ConfiguredBuffer, check_exponent
+from .core.episodes import EPISODE_COLUMN, with_episode_column
+from .core.episodic import check_filter, check_push_episodes, check_updates
 from .core.info import BufferInfo, ShardInfo
 from .errors import (
     BufferClosedError,
     BufferNotFoundError,
     InvalidArgumentError,
-    InvalidConfigError,
     NotEnoughDataError,
     ServerUnavailableError,
 )
 from .grpc_transport import FRAMING_BYTES
 from .remote import RemoteBuffer
+from .sharded_episodes import ShardedEpisodes
 from .sharding import (
     aggregate,
+    cap,
     decode_indices,
     encode_indices,
     global_config,
     is_down,
     pieces,
     plan,
+    raise_answered,
     rescale_weights,
 )
 
@@ -56,7 +60,7 @@ if TYPE_CHECKING:
     from .sharded import ShardedClient
 
 
-class ShardedBuffer(ConfiguredBuffer):
+class ShardedBuffer(ShardedEpisodes, ConfiguredBuffer):
     """The buffer ``name`` on every shard of ``client`` (shard ``i`` with ``configs[i]``).
 
     ``owner``: this handle's create made it, so :meth:`close` deletes it on
@@ -65,7 +69,6 @@ class ShardedBuffer(ConfiguredBuffer):
 
     def __init__(self, client: "ShardedClient", name: str, configs: list[BufferConfig],
                  owner: bool = False):
-        refuse_episodic(configs)
         self._client = client
         self.name = name
         self.shard_configs = list(configs)
@@ -111,7 +114,7 @@ class ShardedBuffer(ConfiguredBuffer):
         live = client.live() or list(range(client.shards))
         infos, errors = client.fan_out(live, lambda s: client.clients[s].connection.grpc.info(
             self.name, client.timeout))
-        _raise_answered(errors)
+        raise_answered(errors)
         if self._beta is not None:  # a shard that was down missed a set_beta
             stale = [s for s, i in infos.items() if i.beta is not None and i.beta != self._beta]
             for s in stale:
@@ -122,36 +125,44 @@ class ShardedBuffer(ConfiguredBuffer):
     # ---- writes ---------------------------------------------------------------------------
 
     def push(self, record: Mapping[str, Any], priority: float | None = None, *,
+             episode: int | None = None, updates: Any = None,
              timeout: float | None = None) -> None:
         """Queue one record for the next batch of this handle's shard (as
-        :meth:`RemoteBuffer.push`: sent at once with a priority or a timeout)."""
+        :meth:`RemoteBuffer.push`: sent at once with a priority, a timeout or
+        episode updates)."""
         self._check_open()
         timeout = check_timeout(timeout)
+        ids = check_push_episodes(self.config, episode, 1)
+        checked = check_updates(self.config, updates) if updates else None
         limit = self._client.push_batch_size
-        if priority is not None or timeout is not None or limit <= 1:
+        if priority is not None or timeout is not None or checked or limit <= 1:
             self._check_priorities_allowed(priority)
             prios = None if priority is None else check_priorities([priority], 1)
             batch = self.schema.coerce_record(record)
             self.flush()
-            self._send(1, batch, prios, timeout)
+            self._send(1, batch, prios, timeout, ids, checked)
             return
         if self._batcher is None:
-            fits = max(1, (self._client.max_message_bytes - FRAMING_BYTES)
-                       // self.schema.record_nbytes)
-            self._batcher = PushBatcher(self.schema, self._send_batch, min(limit, fits),
+            schema = with_episode_column(self.schema) if self.config.episodes else self.schema
+            fits = max(1, (self._client.max_message_bytes - FRAMING_BYTES) // schema.record_nbytes)
+            self._batcher = PushBatcher(schema, self._send_batch, min(limit, fits),
                                         self._client.push_max_delay)
-        self._batcher.add(record)
+        self._batcher.add(record if ids is None else {**record, EPISODE_COLUMN: ids[0]})
 
     def push_batch(self, columns: Mapping[str, Any], priorities: Any = None, *,
+                   episodes: Any = None, updates: Any = None,
                    timeout: float | None = None) -> int:
-        """Store a batch on this handle's shard, whole; returns its length."""
+        """Store a batch on this handle's shard, whole (with its episode ids and
+        updates: an episode written through one handle stays on one shard)."""
         self._check_open()
         timeout = check_timeout(timeout)
         n, batch = self.schema.coerce_batch(columns)
+        ids = check_push_episodes(self.config, episodes, n)
+        checked = check_updates(self.config, updates) if updates else None
         self._check_priorities_allowed(priorities)
         prios = None if priorities is None else check_priorities(priorities, n)
         self.flush()
-        self._send(n, batch, prios, timeout)
+        self._send(n, batch, prios, timeout, ids, checked)
         return n
 
     def flush(self) -> None:
@@ -160,16 +171,18 @@ class ShardedBuffer(ConfiguredBuffer):
             self._batcher.flush()
 
     def _send_batch(self, columns: dict[str, np.ndarray]) -> None:
-        self._send(len(next(iter(columns.values()))), columns, None, None)
+        ids = columns.pop(EPISODE_COLUMN, None)
+        self._send(len(next(iter(columns.values()))), columns, None, None, ids)
 
     def _send(self, n: int, batch: dict[str, np.ndarray], priorities: np.ndarray | None,
-              timeout: float | None) -> None:
+              timeout: float | None, episodes: np.ndarray | None = None,
+              updates: list | None = None) -> None:
         """Push to this handle's shard; if it does not answer, to the next live one."""
         tried: set[int] = set()
         while True:
             shard = self._writer(tried)
             try:
-                self.remotes[shard]._send(n, batch, priorities, timeout)
+                self.remotes[shard]._send(n, batch, priorities, timeout, episodes, updates)
                 return
             except Exception as exc:
                 if not is_down(exc):
@@ -203,7 +216,7 @@ class ShardedBuffer(ConfiguredBuffer):
         rows = {int(s): np.flatnonzero(shards == s) for s in np.unique(shards)}
         updated, errors = self._client.fan_out(
             list(rows), lambda s: self.remotes[s].update_priorities(seqs[rows[s]], values[rows[s]]))
-        _raise_answered(errors)
+        raise_answered(errors)
         return int(sum(updated.values()))
 
     def set_beta(self, beta: float) -> None:
@@ -213,7 +226,7 @@ class ShardedBuffer(ConfiguredBuffer):
         self._beta = beta = check_exponent("beta", beta)
         _, errors = self._client.fan_out(self._client.live(),
                                          lambda s: self.remotes[s].set_beta(beta))
-        _raise_answered(errors)
+        raise_answered(errors)
 
     def _check_priorities_allowed(self, priorities: Any) -> None:
         if priorities is not None and self.config.prioritized is None:
@@ -222,26 +235,56 @@ class ShardedBuffer(ConfiguredBuffer):
     # ---- reads ------------------------------------------------------------------------------
 
     def sample(self, batch_size: int, seed: int | None = None, *,
-               timeout: float | None = None) -> dict[str, np.ndarray]:
-        """Draw ``batch_size`` records over the live shards (see the module docstring)."""
+               timeout: float | None = None, filter_meta: Mapping[str, Any] | None = None
+               ) -> dict[str, np.ndarray]:
+        """Draw ``batch_size`` records over the live shards (see the module docstring).
+        ``filter_meta`` (episodic buffers): a shard with no matching record gives its
+        draws to the others."""
         self._check_open()
         k, seed, timeout = check_batch_size(batch_size), check_seed(seed), check_timeout(timeout)
+        check_filter(self.config, filter_meta)
+        options = {"filter_meta": filter_meta} if filter_meta else {}
         self.flush()
         if self._client.shards == 1:  # one shard: its own draw is the draw
-            return self._tagged(0, self.remotes[0].sample(k, seed, timeout=timeout))
-        infos = self._infos()
-        if not infos:
-            raise ServerUnavailableError(f"no shard of buffer {self.name!r} answered: "
-                                         f"{self._client.down()}")
+            return self._tagged(0, self.remotes[0].sample(k, seed, timeout=timeout, **options))
+        infos = self._live_infos()
         if self.config.removes:
             return self._pop(k, timeout, infos)
         sizes = {s: i.size for s, i in infos.items()}
         limited = self.config.rate_limiter is not None
         if not limited and k > sum(sizes.values()):
             raise NotEnoughDataError(f"batch_size {k} > buffer len {sum(sizes.values())}")
-        masses: dict[int, float] = dict(sizes)
-        if self.config.prioritized is not None and any(i.priority_total for i in infos.values()):
-            masses = {s: float(i.priority_total or 0.0) for s, i in infos.items()}
+        return self._draw(k, seed, infos, lambda s, count, sd: self.remotes[s].sample(
+            count, sd, timeout=timeout, **options), None if limited else sizes, bool(options))
+
+    def _live_infos(self) -> dict[int, BufferInfo]:
+        """:meth:`_infos`, or ServerUnavailableError if no shard answers."""
+        infos = self._infos()
+        if not infos:
+            raise ServerUnavailableError(f"no shard of buffer {self.name!r} answered: "
+                                         f"{self._client.down()}")
+        return infos
+
+    def _draw(self, k: int, seed: int | None, infos: dict[int, BufferInfo],
+              fetch: Callable[[int, int, int | None], dict[str, np.ndarray]],
+              sizes: dict[int, int] | None = None, shed_short: bool = False,
+              masses: dict[int, float] | None = None,
+              merge: Callable[[list[dict[str, np.ndarray]]], dict[str, np.ndarray]] | None = None
+              ) -> dict[str, np.ndarray]:
+        """``k`` draws over the shards of ``infos``: per-shard counts from :func:`plan`
+        over ``masses`` (default: sizes, or priority masses of a prioritized buffer),
+        ``fetch(shard, count, seed)`` on each in parallel, results tagged and
+        concatenated in shard order.
+
+        ``sizes``: a shard draws at most its size per call (a plain sample: split into
+        pieces, or capped for ``max_times_sampled``). A shard that stops answering, or
+        (``shed_short``) raises NotEnoughDataError, gives its draws to the others.
+        ``merge``: how the parts become one (default: concatenated).
+        """
+        if masses is None:
+            masses = {s: float(i.size) for s, i in infos.items()}
+            if self.config.prioritized is not None and any(i.priority_total for i in infos.values()):
+                masses = {s: float(i.priority_total or 0.0) for s, i in infos.items()}
         global_min = min((i.priority_min for i in infos.values() if i.priority_min is not None),
                          default=None)
         rng = np.random.default_rng(seed)
@@ -250,28 +293,31 @@ class ShardedBuffer(ConfiguredBuffer):
         for round_ in itertools.count():
             if not counts:
                 break
-            if not limited and self.config.max_times_sampled:
-                counts = _cap(counts, {s: sizes[s] for s in masses})
+            if sizes is not None and self.config.max_times_sampled:
+                counts = cap(counts, {s: sizes[s] for s in masses})
+            split_up = sizes is not None and not self.config.max_times_sampled
             jobs = [(s, j, b, sd) for s, c in sorted(counts.items())
-                    for j, (b, sd) in enumerate(pieces(c, sizes[s], seeds[s]) if not limited
-                                                and not self.config.max_times_sampled
+                    for j, (b, sd) in enumerate(pieces(c, sizes[s], seeds[s]) if sizes and split_up
                                                 else [(c, seeds[s])])]
-            got, errors = self._client.fan_out(
-                jobs, lambda job: self.remotes[job[0]].sample(job[2], job[3], timeout=timeout),
-                shard_of=lambda job: job[0])
-            _raise_answered(errors)
+            got, errors = self._client.fan_out(jobs, lambda job: fetch(job[0], job[2], job[3]),
+                                               shard_of=lambda job: job[0])
+            shed = {job: e for job, e in errors.items()
+                    if is_down(e) or (shed_short and isinstance(e, NotEnoughDataError))}
+            raise_answered({job: e for job, e in errors.items() if job not in shed})
             for (s, j, _, _), part in got.items():
                 parts[s, round_, j] = self._tagged(s, part, infos[s], global_min)
-            lost = sum(job[2] for job in errors)  # drawn from shards that died since: redraw
-            for job in errors:
+            for job in shed:  # drawn from shards that died (or hold no match) since: redraw
                 masses.pop(job[0], None)
+            lost = sum(job[2] for job in shed)
             if lost and not masses:
-                raise ServerUnavailableError(f"no shard of buffer {self.name!r} answered")
-            if lost:
-                counts, seeds = plan(rng, lost, masses, self._client.shards, seed is not None)
-            else:
-                counts = {}
+                short = [e for e in shed.values() if not is_down(e)]
+                raise short[0] if short else ServerUnavailableError(
+                    f"no shard of buffer {self.name!r} answered")
+            counts, seeds = (plan(rng, lost, masses, self._client.shards, seed is not None)
+                             if lost else ({}, seeds))
         ordered = [parts[key] for key in sorted(parts)]
+        if merge is not None:
+            return merge(ordered)
         return {name: np.concatenate([p[name] for p in ordered]) for name in ordered[0]}
 
     def _tagged(self, shard: int, part: dict[str, np.ndarray], info: BufferInfo | None = None,
@@ -338,32 +384,3 @@ class ShardedBuffer(ConfiguredBuffer):
     def _check_open(self) -> None:
         if self._closed:
             raise BufferClosedError(f"buffer {self.name!r} was closed")
-
-
-def _raise_answered(errors: Mapping[Any, BaseException]) -> None:
-    """Raise the first error a shard answered with (not answering is handled by the caller)."""
-    for job in sorted(errors, key=lambda j: j if isinstance(j, int) else j[0:2]):
-        if not is_down(errors[job]):
-            raise errors[job]
-
-
-def _cap(counts: dict[int, int], sizes: dict[int, int]) -> dict[int, int]:
-    """Counts no larger than the shards' drawable records (``max_times_sampled``): the
-    excess goes to the shards with the most room (the lowest index on ties)."""
-    out = {s: min(c, sizes[s]) for s, c in counts.items()}
-    excess = sum(counts.values()) - sum(out.values())
-    while excess:
-        room = {s: size - out.get(s, 0) for s, size in sizes.items() if size > out.get(s, 0)}
-        target = (max(room, key=lambda s: (room[s], -s)) if room
-                  else max(sizes, key=lambda s: (sizes[s], -s)))  # it will say it is short
-        take = min(excess, room[target]) if room else excess
-        out[target] = out.get(target, 0) + take
-        excess -= take
-    return {s: c for s, c in out.items() if c}
-
-
-def refuse_episodic(configs: list[BufferConfig]) -> None:
-    """Episodic buffers are not sharded (yet): say so before anything is made."""
-    if any(config.episodes for config in configs):
-        raise InvalidConfigError("episodic buffers (episodes=True) are not sharded yet: "
-                                 "give one address")

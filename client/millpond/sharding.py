@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -46,6 +46,14 @@ def is_down(exc: BaseException) -> bool:
     if isinstance(exc, RateLimitTimeoutError):
         return False
     return isinstance(exc, (ServerUnavailableError, DeadlineExceededError))
+
+
+def raise_answered(errors: Mapping[Any, BaseException]) -> None:
+    """Raise the first error a shard answered with (jobs in order: a shard, or a tuple
+    starting with one); not answering (:func:`is_down`) is the caller's to handle."""
+    for job in sorted(errors, key=lambda j: j if isinstance(j, int) else j[0:2]):
+        if not is_down(errors[job]):
+            raise errors[job]
 
 
 def split(count: int, n: int) -> list[int]:
@@ -149,6 +157,21 @@ def pieces(count: int, size: int, seed: int | None) -> list[tuple[int, int | Non
     for j, start in enumerate(range(0, count, size)):
         out.append((min(size, count - start), None if seed is None else (seed + j) % 2**63))
     return out
+
+
+def cap(counts: dict[int, int], sizes: dict[int, int]) -> dict[int, int]:
+    """Counts no larger than the shards' drawable records (``max_times_sampled``): the
+    excess goes to the shards with the most room (the lowest index on ties)."""
+    out = {s: min(c, sizes[s]) for s, c in counts.items()}
+    excess = sum(counts.values()) - sum(out.values())
+    while excess:
+        room = {s: size - out.get(s, 0) for s, size in sizes.items() if size > out.get(s, 0)}
+        target = (max(room, key=lambda s: (room[s], -s)) if room
+                  else max(sizes, key=lambda s: (sizes[s], -s)))  # it will say it is short
+        take = min(excess, room[target]) if room else excess
+        out[target] = out.get(target, 0) + take
+        excess -= take
+    return {s: c for s, c in out.items() if c}
 
 
 def rescale_weights(weights: np.ndarray, shard_min: float | None, global_min: float,

@@ -1,0 +1,185 @@
+"""The episodic calls of a buffer spread over shards (mixed into
+:class:`~millpond.sharded_buffer.ShardedBuffer`).
+
+Episodes never span shards: a handle writes every record, meta and end of
+its episodes to its own shard (:meth:`ShardedBuffer._send`), so each shard
+holds whole episodes and serves windows, n-step transitions and episodes
+from them on its own. Across shards:
+
+* ``sample_sequences`` and ``sample(n_step=...)`` draw their starts like
+  ``sample``: per-shard counts from a multinomial over the live shards'
+  sizes (prioritized: priority mass), fetched in parallel, concatenated in
+  shard order, ``indices`` carrying the shard.
+* ``sample_episodes`` draws per-shard counts over the shards' complete
+  episodes, so each complete episode is equally likely; the parts are
+  padded to the widest.
+* With ``filter_meta``, the counts still follow the shards' sizes (a shard
+  does not say how many records match without a scan); a shard holding no
+  match gives its draws to the others. Within each shard draws are uniform
+  among the matches.
+* ``episode_catalog`` lists shard after shard; its ``seqs`` carry the
+  shard like sample ``indices``, so ``read`` sends each to its shard.
+* If a handle's shard stops answering mid-episode, the rest of the episode
+  goes to the next shard, which stores it as an episode of its own (steps
+  from 0); the head stays on the old shard, never ended.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import numpy as np
+
+from .core.config import BufferConfig
+from .core.info import BufferInfo
+from .core.checks import check_batch_size, check_count, check_indices, check_seed, check_timeout
+from .core.episodic import (
+    MAX_WINDOW,
+    check_fields,
+    check_filter,
+    check_n_step,
+    check_updates,
+    require_episodes,
+)
+from .errors import NotEnoughDataError
+from .sharding import decode_indices, encode_indices, raise_answered
+
+if TYPE_CHECKING:
+    from .remote import RemoteBuffer
+    from .sharded import ShardedClient
+
+class ShardedEpisodes:
+    """Episodic reads and updates over the shards (see the module docstring)."""
+
+    config: BufferConfig
+    remotes: list["RemoteBuffer"]
+    _client: "ShardedClient"
+    _home: int
+    _check_open: Callable[[], None]
+    flush: Callable[[], None]
+    _live_infos: Callable[[], dict[int, BufferInfo]]
+    _draw: Callable[..., dict[str, np.ndarray]]
+
+    def update_episodes(self, updates: Any) -> None:
+        """Apply ``(episode id, meta, end)`` updates on this handle's shard (where its
+        episodes are), after the pushes queued before."""
+        self._check_open()
+        checked = check_updates(self.config, updates)
+        self.flush()
+        self.remotes[self._home].update_episodes(checked)
+
+    def sample_n_step(self, batch_size: int, n_step: int, gamma: float = 0.99,
+                      seed: int | None = None, *, filter_meta: Mapping[str, Any] | None = None,
+                      timeout: float | None = None) -> dict[str, np.ndarray]:
+        """n-step transitions drawn over the shards (see the engine's ``sample_n_step``)."""
+        n_step, gamma = check_n_step(self.config, n_step, gamma)
+        return self._episodic_draw(batch_size, seed, filter_meta, timeout, "records",
+                                   lambda remote, count, sd, options: remote.sample_n_step(
+                                       count, n_step, gamma, sd, **options))
+
+    def sample_sequences(self, batch_size: int, seq_len: int,
+                         seed: int | None = None, *, filter_meta: Mapping[str, Any] | None = None,
+                         timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Windows of episodes drawn over the shards (see the engine's ``sample_sequences``)."""
+        seq_len = check_count("seq_len", seq_len, MAX_WINDOW)
+        return self._episodic_draw(batch_size, seed, filter_meta, timeout, "starts",
+                                   lambda remote, count, sd, options: remote.sample_sequences(
+                                       count, seq_len, sd, **options))
+
+    sample_trajectories = sample_sequences  # rlox's name
+
+    def sample_episodes(self, batch_size: int, seed: int | None = None, *,
+                        max_len: int | None = None, filter_meta: Mapping[str, Any] | None = None,
+                        timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Complete episodes drawn over the shards, each equally likely (see the engine's
+        ``sample_episodes``), padded to the longest drawn (or ``max_len``)."""
+        if max_len is not None:
+            max_len = check_count("max_len", max_len, MAX_WINDOW)
+        return self._episodic_draw(batch_size, seed, filter_meta, timeout, "episodes",
+                                   lambda remote, count, sd, options: remote.sample_episodes(
+                                       count, sd, max_len=max_len, **options))
+
+    def _episodic_draw(self, batch_size: int, seed: int | None,
+                       filter_meta: Mapping[str, Any] | None, timeout: float | None,
+                       draws: str, call: Callable[..., dict[str, np.ndarray]]
+                       ) -> dict[str, np.ndarray]:
+        """Validate, then ``call(remote, count, seed, options)`` on each shard drawn, and
+        merge. ``draws``: ``"records"`` like :meth:`sample` (at most the records held),
+        ``"starts"`` with replacement, or ``"episodes"`` over complete episodes."""
+        self._check_open()
+        require_episodes(self.config)
+        k, seed, timeout = check_batch_size(batch_size), check_seed(seed), check_timeout(timeout)
+        check_filter(self.config, filter_meta)
+        options: dict[str, Any] = {"timeout": timeout}
+        if filter_meta:
+            options["filter_meta"] = filter_meta
+        self.flush()
+        infos = self._live_infos()
+
+        def fetch(shard: int, count: int, sd: int | None) -> dict[str, np.ndarray]:
+            return call(self.remotes[shard], count, sd, options)
+
+        if draws == "starts":
+            return self._draw(k, seed, infos, fetch, shed_short=True)
+        if draws == "records":
+            sizes = {s: i.size for s, i in infos.items()}
+            limited = self.config.rate_limiter is not None
+            if not limited and k > sum(sizes.values()):
+                raise NotEnoughDataError(f"batch_size {k} > buffer len {sum(sizes.values())}")
+            return self._draw(k, seed, infos, fetch, None if limited else sizes, shed_short=True)
+        masses = {s: float(i.episodes) for s, i in infos.items()}
+        if not any(masses.values()):
+            raise NotEnoughDataError("no complete episode to sample (on any live shard)")
+        stepwise = {*self.config.schema.names, "mask"}
+        return self._draw(k, seed, infos, fetch, shed_short=True, masses=masses,
+                          merge=lambda parts: _merge_padded(parts, stepwise))
+
+    def episode_catalog(self, filter_meta: Mapping[str, Any] | None = None
+                        ) -> dict[str, np.ndarray]:
+        """Every live shard's catalog, shard after shard; ``seqs`` carry their shard."""
+        self._check_open()
+        require_episodes(self.config)
+        check_filter(self.config, filter_meta)
+        self.flush()
+        shards = sorted(self._live_infos())
+        got, errors = self._client.fan_out(
+            shards, lambda s: self.remotes[s].episode_catalog(filter_meta))
+        raise_answered(errors)
+        parts = [{**got[s], "seqs": encode_indices(s, got[s]["seqs"])} for s in sorted(got)]
+        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+    def read(self, seqs: Any, fields: Any = None) -> dict[str, np.ndarray]:
+        """Records by index (a sharded sample's ``indices``, a sharded catalog's ``seqs``),
+        in the order given, and ``live``; a shard that does not answer raises."""
+        self._check_open()
+        wanted, names = check_indices(seqs, "seqs"), check_fields(self.config, fields)
+        shards, local = decode_indices(wanted, self._client.shards)
+        self.flush()
+        rows = {int(s): np.flatnonzero(shards == s) for s in np.unique(shards)}
+        if not rows:  # nothing asked: the shape of an answer from shard 0
+            return self.remotes[0].read(local, names)
+        got, errors = self._client.fan_out(
+            list(rows), lambda s: self.remotes[s].read(local[rows[s]], names))
+        for shard in sorted(errors):  # (one that did not answer cannot be read elsewhere)
+            raise errors[shard]
+        first = got[min(got)]
+        out = {name: np.empty((len(wanted),) + a.shape[1:], a.dtype) for name, a in first.items()}
+        for s, part in got.items():
+            for name, array in part.items():
+                out[name][rows[s]] = array
+        return out
+
+
+def _merge_padded(parts: list[dict[str, np.ndarray]], stepwise: set[str]
+                  ) -> dict[str, np.ndarray]:
+    """Episode samples of different widths as one: the ``stepwise`` arrays (fields and
+    ``mask``, ``[batch, width, ...]``) zero-padded to the widest part."""
+    width = max(p["mask"].shape[1] for p in parts)
+    out = {}
+    for name in parts[0]:
+        arrays = [part[name] for part in parts]
+        if name in stepwise:
+            arrays = [np.pad(a, [(0, 0), (0, width - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+                      for a in arrays]
+        out[name] = np.concatenate(arrays)
+    return out
