@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import time
 from typing import Iterator
 
 from ..errors import StorageFullError
@@ -27,8 +28,23 @@ def check_available(needed: int, what: str) -> None:
             f"(machine, or memory cgroup limit {memory_limit() or 0:,})")
 
 
+LIMIT_TTL = 1.0  # seconds a read limit is reused: every Info reports it, limits rarely move
+_limit: tuple[float, int | None] = (-1.0, None)  # (read at, value)
+
+
 def memory_limit() -> int | None:
-    """The most memory this process may use: MemTotal, or its cgroup's limit if lower."""
+    """The most memory this process may use: MemTotal, or its cgroup's limit if lower
+    (read at most once per :data:`LIMIT_TTL` seconds)."""
+    global _limit
+    read_at, value = _limit
+    now = time.monotonic()
+    if now - read_at >= LIMIT_TTL or read_at < 0:
+        value = _read_limit()
+        _limit = (now, value)
+    return value
+
+
+def _read_limit() -> int | None:
     known = [_read_int("/proc/meminfo", "MemTotal:", 1024)]
     known += [limit for limit, _, _ in _cgroups()]
     values = [v for v in known if v is not None]
