@@ -16,7 +16,8 @@ Finally it fills a daemon with 1M CartPole transitions and prints its resident
 memory per stored record against the record's payload bytes, what
 authentication costs: sample(256) over gRPC with a token and with TLS and a
 token, beside a daemon without either, and one buffer sharded over 1, 2 and 3
-daemons (bench_sharded.py).
+daemons (bench_sharded.py). Episodic and learner-side sections: bench_episodes.py,
+bench_learner.py (epoch_iterator beside a numpy permutation-gather, device="cpu").
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import millpond  # noqa: E402
 from millpond.core import BufferConfig, Prioritized, Schema, TieredBuffer  # noqa: E402
 from bench_episodes import section as episodes_section  # noqa: E402
+from bench_learner import section as learner_section  # noqa: E402
 from bench_sharded import sharded_section  # noqa: E402
 from grpc_limits import grpc_limits_section  # noqa: E402
 from support import ServerProcess  # noqa: E402
@@ -456,6 +458,7 @@ def main() -> None:
             queue_section(server, seconds)
             memory_figure(server, 100_000 if args.quick else 1_000_000)
             episodes_section(server.address, args.quick, seconds, timed_rate)
+            learner_section(server.address, args.quick, seconds, timed_rate)
         durability_section(tmp, seconds)
         larger_than_memory.section(tmp, args.quick, seconds)
         prioritized_section(tmp, args.quick, seconds)

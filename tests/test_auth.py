@@ -38,6 +38,7 @@ ALLOWED = {
     "PushBatch": {"admin", "actor"}, "Sample": {"admin", "learner"},
     "UpdatePriorities": {"admin", "learner"}, "SetBeta": {"admin", "learner"},
     "Close": {"admin"}, "Info": ALL, "List": ALL, "Negotiate": ALL,
+    "Reset": {"admin", "learner"},  # an on-policy learner empties what it trained on
 }
 
 
@@ -127,6 +128,8 @@ def call(rpc: str, t: GrpcTransport, name: str, indices: np.ndarray):
         return t.set_beta(name, 0.9, T)
     if rpc == "Close":
         return t.delete(name, T)
+    if rpc == "Reset":
+        return t.reset(name, T)
     if rpc == "Info":
         return t.info(name, T).size
     if rpc == "List":
@@ -156,6 +159,8 @@ def test_every_rpc_obeys_the_role_table(transport_as, rpc, who, request):
             admin.delete(name + "-new", T)
         if rpc == "CreateAttach":
             assert result is False  # attached, never created
+        if rpc == "Reset":
+            assert admin.info(name, T).size == 0 and admin.info(name, T).pushed == 10
         if rpc == "Close":
             with pytest.raises(millpond.BufferNotFoundError):
                 admin.info(name, T)

@@ -104,6 +104,26 @@ def common_calls(kind: str) -> list:
         lambda b: b.push_batch(**records(44, 4), timeout=SMALL),  # rate_limited: over the band
         lambda b: b.sample(4, seed=5),
         lambda b: len(b),
+        # Learner-side access: positions into the records held (0 = oldest), reset.
+        lambda b: b.size,
+        lambda b: b.sample_by_index([0, len(b) - 1, 1]),
+        lambda b: b.sample_by_index([1, 0], fields=["obs"]),
+        lambda b: b.sample_by_index([len(b)]),  # IndexOutOfRangeError
+        lambda b: b.sample_by_index([-1]),
+        lambda b: b.sample_by_index([0.5]),
+        lambda b: b.sample_by_index([0], fields=["nope"]),
+        lambda b: b.sample_all(),
+        lambda b: b.sample_all(fields=["id"]),
+        lambda b: list(b.epoch_iterator(3, n_epochs=2, seed=3)),
+        lambda b: list(b.epoch_iterator(3, shuffle=False, drop_last=True, fields=["id"])),
+        lambda b: b.epoch_iterator(0),
+        lambda b: b.calculate_num_batches(3),
+        lambda b: b.reset(),
+        lambda b: (len(b), b.sample_all()),
+        lambda b: b.sample_by_index([0]),
+        lambda b: b.push_batch(**records(70, 5)),
+        lambda b: (b.sample_all(), b.sample_by_index([4, 0])),
+        lambda b: b.sample(2, seed=8, timeout=0),
     ]
     if kind == "prioritized":
         calls += [

@@ -38,3 +38,11 @@ def test_episode_examples_run(marker):
     """The R2D2-style sequence example and the n-step example run as written."""
     block = next(b for b in python_blocks() if marker in b)
     exec(compile(block, "README.md", "exec"), {})
+
+
+@pytest.mark.parametrize("marker", ["epoch_iterator(64", "hopper.npz"])
+def test_learner_and_dataset_examples_run(marker, tmp_path, monkeypatch):
+    """The learner-side example and the offline dataset example run as written."""
+    monkeypatch.chdir(tmp_path)  # they write files
+    block = next(b for b in python_blocks() if marker in b)
+    exec(compile(block, "README.md", "exec"), {})

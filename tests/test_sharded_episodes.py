@@ -149,3 +149,20 @@ def test_a_dead_shard_is_skipped_and_the_live_ones_still_serve(tmp_path):
     finally:
         for server in servers:
             server.stop()
+
+
+def test_positions_count_shard_after_shard_and_reset_empties_every_shard(shards, tmp_path):
+    buf, name = filled(shards, {0: [3], 1: [2, 2], 2: [4]})
+    singles = [millpond.connect(address).buffer(name) for address in shards]
+    expected = np.concatenate([s.sample_all()["obs"] for s in singles])
+    assert (buf.sample_all()["obs"] == expected).all()
+    assert (buf.sample_by_index([10, 0, 3])["obs"] == expected[[10, 0, 3]]).all()
+    with pytest.raises(millpond.IndexOutOfRangeError):
+        buf.sample_by_index([11])
+    seen = np.concatenate([b["obs"] for b in buf.epoch_iterator(4, seed=0)])
+    assert sorted(map(tuple, seen)) == sorted(map(tuple, expected))  # each record once
+    path = buf.export(tmp_path / "all.npz")
+    with np.load(path) as saved:
+        assert (saved["obs"] == expected).all() and len(set(saved["episode_ids"])) == 4
+    buf.reset()
+    assert len(buf) == 0 and [len(s) for s in singles] == [0, 0, 0]

@@ -26,24 +26,31 @@ _EXPORTS = {
     **dict.fromkeys(("MmapReplayBuffer", "PrioritizedReplayBuffer", "ReplayBuffer"), "api"),
     **dict.fromkeys(("Buffer", "PrioritizedBuffer"), "handle"),
     **dict.fromkeys(("Client", "connect"), "client"),
+    "OfflineDatasetBuffer": "offline",
     **dict.fromkeys(("BufferConfig", "BufferInfo", "Field", "Prioritized", "Schema"), "core"),
     **dict.fromkeys(("MinSize", "Queue", "RateLimiter", "SampleToInsertRatio"), "core.ratelimit"),
     **dict.fromkeys((
         "AuthenticationError", "PermissionDeniedError",
         "BufferClosedError", "BufferNotFoundError", "ConfigMismatchError", "CorruptFileError",
         "DTypeMismatchError", "DeadlineExceededError", "FieldMismatchError", "FileConflictError",
-        "InternalError", "LimitExceededError",
+        "IndexOutOfRangeError", "InternalError", "LimitExceededError",
         "InvalidArgumentError", "InvalidBatchSizeError", "InvalidConfigError",
-        "MessageTooLargeError", "NotEnoughDataError", "RateLimitTimeoutError", "ReplayError",
+        "MessageTooLargeError", "NotEnoughDataError", "RateLimitTimeoutError",
+        "ReadOnlyBufferError", "ReplayError",
         "ServerStartingError", "ServerUnavailableError", "ShapeMismatchError",
         "SharedMemoryError", "StorageFullError", "StorageIOError",
     ), "errors"),
 }
 
+# Submodules reachable as attributes of the package (loaded on first use too).
+_SUBMODULES = ("datasets",)
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:  # millpond.datasets.load(...) after a bare "import millpond"
+        return importlib.import_module(f"{__name__}.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'millpond' has no attribute {name!r}")
@@ -53,7 +60,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))
 
 
 if TYPE_CHECKING:  # what static checkers and IDEs see
@@ -63,3 +70,5 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from .core.ratelimit import MinSize, Queue, RateLimiter, SampleToInsertRatio  # noqa: F401
     from .errors import *  # noqa: F401,F403
     from .handle import Buffer, PrioritizedBuffer  # noqa: F401
+    from .offline import OfflineDatasetBuffer  # noqa: F401
+    from . import datasets  # noqa: F401

@@ -30,6 +30,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from .core.checks import check_batch_size, check_count, check_seed
+from .devices import to_device
 from .errors import InvalidArgumentError, NotEnoughDataError
 
 MAX_N_STEPS = 1 << 16
@@ -213,21 +214,3 @@ def _fields(given: Sequence[str] | None, names: Sequence[str], label: str,
     if unknown:
         raise InvalidArgumentError(f"{label}: unknown fields {unknown}; the buffer has {list(names)}")
     return chosen
-
-
-def to_device(batch: Mapping[str, np.ndarray], device: Any) -> dict[str, Any]:
-    """numpy arrays as torch tensors on ``device`` (torch is an optional dependency)."""
-    try:
-        import torch
-    except ImportError:
-        raise InvalidArgumentError("device= returns torch tensors: install torch "
-                                   "(pip install torch), or leave device=None for numpy") from None
-    device = torch.device(device)
-    pin = device.type == "cuda"
-    out = {}
-    for name, array in batch.items():
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if pin:
-            tensor = tensor.pin_memory()
-        out[name] = tensor.to(device, non_blocking=pin)
-    return out

@@ -18,6 +18,7 @@ import numpy as np
 from .core.config import BufferConfig
 from .core.episodes import check_meta, record_ends
 from .dataloader import EpisodeLoader
+from .devices import check_device, to_device
 from .errors import InvalidArgumentError
 from .writing import EpisodeStream, EpisodeWriter, record_ends_of
 
@@ -129,16 +130,18 @@ class EpisodeMethods:
 
     def sample_sequences(self, batch_size: int, seq_len: int, seed: int | None = None, *,
                          filter_meta: Mapping[str, Any] | None = None,
-                         timeout: float | None = None) -> dict[str, np.ndarray]:
+                         timeout: float | None = None, device: Any = None) -> dict[str, Any]:
         """``batch_size`` windows of ``seq_len`` steps, each within one episode.
 
         Fields ``[batch_size, seq_len, ...]`` (zero past the window's end),
         ``mask``, ``lens``, ``episode_ids``, ``start_steps`` and meta fields.
         Starts are drawn like :meth:`sample`'s records (by priority on a
-        prioritized buffer, adding ``weights`` and ``indices``).
+        prioritized buffer, adding ``weights`` and ``indices``). ``device``: torch
+        tensors on it (see :mod:`millpond.devices`).
         """
-        return self._backend.sample_sequences(batch_size, seq_len, seed,
-                                              filter_meta=filter_meta, timeout=timeout)
+        check_device(device)
+        return to_device(self._backend.sample_sequences(
+            batch_size, seq_len, seed, filter_meta=filter_meta, timeout=timeout), device)
 
     def sample_trajectories(self, batch_size: int, seq_len: int, seed: int | None = None, *,
                             filter_meta: Mapping[str, Any] | None = None,

@@ -56,6 +56,13 @@ class InvalidBatchSizeError(InvalidArgumentError):
     code = "INVALID_BATCH_SIZE"
 
 
+class IndexOutOfRangeError(InvalidArgumentError, IndexError):
+    """A position is outside the buffer's live contents (``0 <= position < len``);
+    nothing was read. gRPC status INVALID_ARGUMENT, like every bad argument."""
+
+    code = "INDEX_OUT_OF_RANGE"
+
+
 class NotEnoughDataError(ReplayError, ValueError):
     """A sample asks for more records than the buffer holds."""
 
@@ -66,6 +73,13 @@ class BufferClosedError(ReplayError, ValueError):
     """The buffer was closed; like I/O on a closed file, this is a ValueError."""
 
     code = "BUFFER_CLOSED"
+
+
+class ReadOnlyBufferError(ReplayError, ValueError):
+    """A write (push, priorities, episode updates, reset, delete) to a read-only buffer,
+    such as an offline dataset; nothing was changed. gRPC status FAILED_PRECONDITION."""
+
+    code = "READ_ONLY"
 
 
 class BufferNotFoundError(ReplayError, KeyError):

@@ -182,9 +182,14 @@ class GrpcTransport:
         return self._columns(self.invoke(self._bytes["EpisodeCatalog"], request, deadline))
 
     def read(self, buffer: str, config: BufferConfig, seqs: np.ndarray, names: list[str] | None,
-             deadline: float) -> dict[str, np.ndarray]:
-        request = pb.ReadRequest(name=buffer, seqs=seqs.tolist(), fields=names or [])
+             deadline: float, positions: bool = False, episode_ids: bool = False
+             ) -> dict[str, np.ndarray]:
+        request = pb.ReadRequest(name=buffer, seqs=seqs.tolist(), fields=names or [],
+                                 positions=positions, episode_ids=episode_ids)
         return self._columns(self.invoke(self._bytes["Read"], request, deadline))
+
+    def reset(self, buffer: str, deadline: float) -> None:
+        self.invoke(self.stub.Reset, pb.ResetRequest(name=buffer), deadline)
 
     def update_episodes(self, buffer: str, config: BufferConfig,
                         updates: list[tuple[int, dict[str, np.ndarray], bool]],

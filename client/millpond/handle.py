@@ -9,14 +9,15 @@ have the same methods, results and exceptions.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
-
-import numpy as np
 
 from .core.config import BufferConfig, ConfiguredBuffer
 from .core.info import BufferInfo
+from .devices import check_device, to_device
 from .episodic_handle import EpisodeMethods
 from .errors import FieldMismatchError
+from .learner import LearnerMethods
 from .sampler import Sampler
 
 # The reference's positional order for push and push_batch of transitions,
@@ -32,7 +33,7 @@ _ALIASES = {
 }
 
 
-class Buffer(EpisodeMethods, ConfiguredBuffer):
+class Buffer(LearnerMethods, EpisodeMethods, ConfiguredBuffer):
     """A replay buffer handle; see :class:`millpond.ReplayBuffer` for the methods."""
 
     def __init__(self, backend: Any):
@@ -78,7 +79,8 @@ class Buffer(EpisodeMethods, ConfiguredBuffer):
 
     def sample(self, batch_size: int, seed: int | None = None, *, timeout: float | None = None,
                n_step: int | None = None, gamma: float = 0.99,
-               filter_meta: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+               filter_meta: Mapping[str, Any] | None = None,
+               device: Any = None) -> dict[str, Any]:
         """Draw ``batch_size`` records from hot + cold storage.
 
         Returns ``{field: array[batch_size, *shape]}`` (for transitions: ``obs``,
@@ -94,7 +96,14 @@ class Buffer(EpisodeMethods, ConfiguredBuffer):
         ``rewards`` = sum of ``gamma**k * r[t+k]`` for k < ``n_step_lens`` =
         min(N, steps stored from t on), and ``next_obs``/``terminated``/
         ``truncated`` of step t + n_step_lens - 1.
+
+        ``device`` (a torch device, e.g. ``"cpu"``, ``"cuda"``): torch tensors on
+        it instead of numpy arrays (see :mod:`millpond.devices`).
         """
+        if device is not None:  # checked before the draw (a queue's sample removes)
+            check_device(device)
+            return to_device(self.sample(batch_size, seed, timeout=timeout, n_step=n_step,
+                                         gamma=gamma, filter_meta=filter_meta), device)
         if n_step is not None:
             return self._backend.sample_n_step(batch_size, n_step, gamma, seed,
                                                filter_meta=filter_meta, timeout=timeout)
@@ -121,15 +130,18 @@ class Buffer(EpisodeMethods, ConfiguredBuffer):
         prefetch: int = 2,
         seed: int | None = None,
         max_batches: int | None = None,
+        device: Any = None,
     ) -> Sampler:
         """An iterator of ``sample(batch_size)`` batches with ``prefetch`` requests in flight.
 
         With ``seed``, batch ``i`` equals ``sample(batch_size, seed + i)``.
         Endless unless ``max_batches`` is given; close it (or use ``with``)
-        when done. See :class:`millpond.sampler.Sampler`.
+        when done. See :class:`millpond.sampler.Sampler`. ``device``: as for
+        :meth:`sample` (the prefetching threads make the tensors).
         """
-        return Sampler(self.sample, batch_size, prefetch=prefetch, seed=seed,
-                       max_batches=max_batches)
+        check_device(device)
+        sample = self.sample if device is None else functools.partial(self.sample, device=device)
+        return Sampler(sample, batch_size, prefetch=prefetch, seed=seed, max_batches=max_batches)
 
     def info(self) -> BufferInfo:
         """Sizes, capacities and counters: a read-only mapping (see :class:`millpond.BufferInfo`)."""

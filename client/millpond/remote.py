@@ -259,13 +259,29 @@ class RemoteBuffer(ConfiguredBuffer):
         return self._client.connection.grpc_call("episode_catalog", self.name, self.config,
                                                  wanted, self._client.timeout)
 
-    def read(self, seqs: Any, fields: Any = None) -> dict[str, np.ndarray]:
-        """Records by index, and ``live`` (see the engine's ``read``)."""
+    def read(self, seqs: Any, fields: Any = None, *, positions: bool = False,
+             episode_ids: bool = False) -> dict[str, np.ndarray]:
+        """Records by index or position, and ``live`` (see the engine's ``read``)."""
         self._check_open()
-        wanted, names = check_indices(seqs, "seqs"), check_fields(self.config, fields)
+        wanted = check_indices(seqs, "positions" if positions else "seqs")
+        names = check_fields(self.config, fields)
+        if episode_ids:
+            require_episodes(self.config)
         self.flush()
         return self._client.connection.call("read", self.name, self.config, wanted, names,
-                                            self._client.timeout)
+                                            self._client.timeout, positions, episode_ids)
+
+    def read_chunk(self, record_nbytes: int) -> int:
+        """Records of ``record_nbytes`` each that one read's reply may carry (the client's
+        message limit; the server's may be lower: then it says MessageTooLargeError)."""
+        return max(1, (self._client.max_message_bytes - FRAMING_BYTES) // max(1, record_nbytes))
+
+    def reset(self) -> None:
+        """Drop every record on the server, after the pushes queued before (see the
+        engine's ``reset``). Over gRPC: it moves no data."""
+        self._check_open()
+        self.flush()
+        self._client.connection.grpc.reset(self.name, self._client.timeout)
 
     # ---- lifecycle ------------------------------------------------------------
 

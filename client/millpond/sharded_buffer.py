@@ -42,7 +42,7 @@ from .errors import (
 )
 from .grpc_transport import FRAMING_BYTES
 from .remote import RemoteBuffer
-from .sharded_episodes import ShardedEpisodes
+from .sharded_reads import ShardedReads
 from .sharding import (
     aggregate,
     cap,
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from .sharded import ShardedClient
 
 
-class ShardedBuffer(ShardedEpisodes, ConfiguredBuffer):
+class ShardedBuffer(ShardedReads, ConfiguredBuffer):
     """The buffer ``name`` on every shard of ``client`` (shard ``i`` with ``configs[i]``).
 
     ``owner``: this handle's create made it, so :meth:`close` deletes it on

@@ -185,9 +185,12 @@ def _stop_on_signals(cfg: ServeConfig) -> asyncio.Event:
 
 
 def _recover_and_declare(registry: Registry, cfg: ServeConfig) -> None:
-    """Reopen the data directory's buffers, then create those the TOML declares."""
+    """Reopen the data directory's buffers, load the datasets to serve, then create
+    the buffers the TOML declares."""
     recovered = registry.recover()
     log.info("recovery done", extra={"kv": {"buffers": recovered}})
+    for dataset in cfg.datasets:
+        registry.add_dataset(dataset.name, dataset.path)
     for spec in cfg.buffers:
         registry.create(spec.name, spec.config)
 

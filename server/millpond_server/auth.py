@@ -9,7 +9,10 @@ of these configured, auth is off and every call may do everything.
 
 Roles (:data:`METHOD_ROLES`): ``admin`` everything; ``actor`` pushes;
 ``learner`` samples (records, sequences, episodes), reads records, updates
-priorities and sets beta; an actor also ends its episodes; ``read`` only
+priorities, sets beta and resets a buffer (``Reset``: an on-policy learner
+empties the buffer it has trained on, as objectrl's ``reset()``; it drops
+records like a queue's samples do, but never the buffer, its config or
+file); an actor also ends its episodes; ``read`` only
 ``Info`` and ``List``. Every role may ``Negotiate``, and ``Create`` when it
 only attaches to an existing buffer of the same config (the operations layer
 enforces that under the registry's lock); creating a new buffer and ``Close``
@@ -64,6 +67,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "SampleEpisodes": frozenset({ADMIN, LEARNER}),
     "EpisodeCatalog": frozenset({ADMIN, LEARNER}),
     "Read": frozenset({ADMIN, LEARNER}),
+    "Reset": frozenset({ADMIN, LEARNER}),  # drops the records, keeps the buffer (see above)
     "Info": _ALL,
     "List": _ALL,
     "Negotiate": _ALL,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .declared import BufferSpec, ConfigError, load_buffers
+from .declared import BufferSpec, ConfigError, DatasetSpec, dataset_spec, load_buffers, load_datasets
 
 ENV_PREFIX = "MILLPOND_"
 TOKEN_ENV = "MILLPOND_TOKEN"
@@ -197,6 +197,7 @@ class ServeConfig:
     max_waiting_mb: int = 1024
     token: str | None = field(default=None, repr=False)  # MILLPOND_TOKEN (admin)
     buffers: list[BufferSpec] = field(default_factory=list)
+    datasets: list[DatasetSpec] = field(default_factory=list)  # --dataset and [[datasets]]
 
     @property
     def max_message_bytes(self) -> int:
@@ -216,6 +217,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         # Parsed as text (default None) so we can tell "not given" from a default.
         parser.add_argument(opt.flag, dest=opt.dest, default=None, metavar=opt.dest.upper(),
                             help=help_text)
+    parser.add_argument("--dataset", dest="dataset", action="append", default=[],
+                        metavar="NAME=PATH",
+                        help="serve the offline dataset at PATH (.npz, HDF5 or a Minari dataset "
+                        "folder) read-only as buffer NAME; repeatable [flag or [[datasets]] in "
+                        "--config only]")
 
 
 def resolve_serve_config(args: argparse.Namespace, environ=os.environ) -> ServeConfig:
@@ -248,6 +254,16 @@ def resolve_serve_config(args: argparse.Namespace, environ=os.environ) -> ServeC
                               ) from None
     if cfg.config is not None:
         cfg.buffers = load_buffers(cfg.config)
+        cfg.datasets = load_datasets(cfg.config)
+    for text in getattr(args, "dataset", None) or ():
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ConfigError(f"--dataset {text!r}: expected NAME=PATH")
+        cfg.datasets.append(dataset_spec(name, path, f"--dataset {text!r}"))
+    names = [spec.name for spec in cfg.buffers] + [spec.name for spec in cfg.datasets]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ConfigError(f"buffer or dataset names given twice: {twice}")
     return cfg
 
 

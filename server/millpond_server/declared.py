@@ -23,6 +23,14 @@ min_size_to_sample = 1000, error_buffer = 100 }`` (``error_buffer`` may be
 ``[min_diff, max_diff]``; without ``samples_per_insert`` it is
 ``MinSize(min_size_to_sample)``), ``episodes = true`` with optional
 ``[buffers.meta_fields]`` (``task_id = { dtype = "int64" }``, as fields).
+
+Offline datasets served read-only (as ``--dataset NAME=PATH``; a relative
+path is relative to the TOML file)::
+
+    [[datasets]]
+    name = "hopper"
+    path = "/data/hopper-medium-v2.hdf5"   # .npz, HDF5 or a Minari dataset folder
+
 Every mistake is a :class:`ConfigError` naming the file and the table,
 never a traceback.
 """
@@ -51,26 +59,57 @@ class BufferSpec:
     config: BufferConfig
 
 
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A dataset to serve read-only (``--dataset NAME=PATH`` or ``[[datasets]]``)."""
+
+    name: str
+    path: Path
+
+
+def dataset_spec(name: Any, path: Any, where: str, base: Path | None = None) -> DatasetSpec:
+    """A checked :class:`DatasetSpec` (``base``: the directory relative paths start from);
+    ConfigError naming ``where`` if the name is invalid or nothing is at the path."""
+    from .registry import check_name
+
+    try:
+        name = check_name(name)
+    except ValueError as exc:  # InvalidArgumentError
+        raise ConfigError(f"{where}: {exc}") from None
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{where}: path must be a non-empty string, got {path!r}")
+    full = Path(path).expanduser()
+    if base is not None and not full.is_absolute():
+        full = base / full
+    full = full.absolute()
+    if not full.exists():
+        raise ConfigError(f"{where}: no dataset at {full}")
+    return DatasetSpec(name, full)
+
+
+def load_datasets(path: Path) -> list[DatasetSpec]:
+    """The ``[[datasets]]`` tables of the TOML file at ``path``."""
+    tables = _read(path).get("datasets", [])
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise ConfigError(f"config file {path}: 'datasets' must be an array of tables "
+                          "[[datasets]]")
+    specs = []
+    for i, table in enumerate(tables):
+        where = f"config file {path}: [[datasets]] #{i + 1}"
+        unknown = set(table) - {"name", "path"}
+        if unknown or "name" not in table or "path" not in table:
+            raise ConfigError(f"{where}: a dataset is {{ name, path }}, got keys {sorted(table)}")
+        specs.append(dataset_spec(table["name"], table["path"], where, path.parent))
+    return specs
+
+
 _BUFFER_KEYS = {"name", "hot_capacity", "total_capacity", "capacity", "obs_dim", "act_dim", "fields",
                 "mode", "max_times_sampled", "prioritized", "rate_limiter", "episodes",
                 "meta_fields"}
 
 
 def load_buffers(path: Path) -> list[BufferSpec]:
-    try:
-        with open(path, "rb") as fh:
-            doc = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path}: not found") from None
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path}: invalid TOML: {exc}") from None
-    except RecursionError:
-        raise ConfigError(f"config file {path}: invalid TOML: nested too deep") from None
-    unknown = set(doc) - {"buffers"}
-    if unknown:
-        raise ConfigError(f"config file {path}: unknown top-level keys {sorted(unknown)}")
+    doc = _read(path)
     tables = doc.get("buffers", [])
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
         raise ConfigError(f"config file {path}: 'buffers' must be an array of tables [[buffers]]")
@@ -85,6 +124,25 @@ def load_buffers(path: Path) -> list[BufferSpec]:
         seen.add(spec.name)
         specs.append(spec)
     return specs
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """The TOML document at ``path``, with only known top-level keys."""
+    try:
+        with open(path, "rb") as fh:
+            doc = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path}: not found") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path}: invalid TOML: nested too deep") from None
+    unknown = set(doc) - {"buffers", "datasets"}
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown top-level keys {sorted(unknown)}")
+    return doc
 
 
 def _buffer_spec(table: dict, where: str) -> BufferSpec:

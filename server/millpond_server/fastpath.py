@@ -315,8 +315,11 @@ class FastPathSession(threading.Thread):
         mm = req.mapped(self.push_segments, message.get("push_segment"))
         seqs = req.vector(mm, message.get("seqs"), protocol.INDEX_DTYPE, n, "seqs").copy()
         names = check_fields(config, message.get("fields"))
-        out = self._result_views(message, read_specs(config, n, names))
-        self.ops.read(name, seqs, names, out)
+        positions, episode_ids = (message.get(key, False) for key in ("positions", "episode_ids"))
+        if not isinstance(positions, bool) or not isinstance(episode_ids, bool):
+            raise InvalidArgumentError("positions and episode_ids must be true or false")
+        out = self._result_views(message, read_specs(config, n, names, episode_ids))
+        self.ops.read(name, seqs, names, out, positions, episode_ids)
         return {"ok": True}, []
 
     def _result_views(self, message: dict, specs: protocol.Specs) -> dict[str, np.ndarray]:

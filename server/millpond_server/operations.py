@@ -223,9 +223,13 @@ class Operations:
                         ) -> dict[str, np.ndarray]:
         return self.registry.get(name).episode_catalog(filter_meta)
 
-    def read(self, name: str, seqs: Any, fields: Any,
-             out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        return self.registry.get(name).read(seqs, fields, out=out)
+    def read(self, name: str, seqs: Any, fields: Any, out: Mapping[str, np.ndarray] | None = None,
+             positions: bool = False, episode_ids: bool = False) -> dict[str, np.ndarray]:
+        return self.registry.get(name).read(seqs, fields, positions=positions,
+                                            episode_ids=episode_ids, out=out)
+
+    def reset(self, name: str) -> None:
+        self.registry.get(name).reset()
 
     def update_priorities(self, name: str, indices: Any, priorities: Any) -> int:
         return self.registry.get(name).update_priorities(indices, priorities)

@@ -18,13 +18,16 @@ import time
 from pathlib import Path
 
 from millpond.core import BufferConfig, BufferInfo, TieredBuffer
+from millpond.core.dataset import ReadOnlyBuffer
 from millpond.core.footprint import file_nbytes
 from millpond.errors import (
     BufferNotFoundError,
     ConfigMismatchError,
     InvalidArgumentError,
+    InvalidConfigError,
     LimitExceededError,
     PermissionDeniedError,
+    ReadOnlyBufferError,
 )
 
 log = logging.getLogger("millpond.registry")
@@ -189,6 +192,31 @@ class Registry:
                     f"{used + needed:,} bytes, over its limit of {self.max_data_bytes:,} "
                     "(--max-data-gb)")
 
+    def add_dataset(self, name: str, path: str | Path) -> ReadOnlyBuffer:
+        """Load the offline dataset at ``path`` (see :mod:`millpond.datasets`) and serve
+        it read-only as ``name``, in RAM (it has no file here; the source is only read).
+
+        Its writes raise ReadOnlyBufferError, and so does :meth:`close` (a client's
+        ``delete``): a dataset is served until the daemon stops, and loaded again at
+        each start. InvalidConfigError if a buffer already has the name.
+        """
+        from millpond.datasets import open_dataset  # numpy + h5py/minari: only if used
+
+        check_name(name)
+        with self._name_lock(name):
+            with self._lock:
+                taken = name in self._buffers
+            if taken:
+                raise InvalidConfigError(f"dataset {name!r}: a buffer of that name exists in "
+                                         f"the data directory ({self.path(name).name})")
+            log.info("loading dataset", extra={"kv": {"buffer": name, "path": str(path)}})
+            buffer = open_dataset(path, name)
+            with self._lock:
+                self._buffers[name] = buffer
+        log.info("dataset loaded", extra={"kv": {
+            "buffer": name, "records": len(buffer), "episodes": buffer.info().episodes}})
+        return buffer
+
     def get(self, name: str) -> TieredBuffer:
         with self._lock:
             buffer = self._buffers.get(name)
@@ -198,9 +226,13 @@ class Registry:
 
     def close(self, name: str) -> None:
         """Remove ``name`` and close it: its file is deleted. Calls still using it get
-        BufferClosedError; a Create of the same name waits until the file is gone."""
+        BufferClosedError; a Create of the same name waits until the file is gone.
+        A dataset (:meth:`add_dataset`) is never removed: ReadOnlyBufferError."""
         with self._name_lock(name):
             with self._lock:
+                if isinstance(self._buffers.get(name), ReadOnlyBuffer):
+                    raise ReadOnlyBufferError(f"buffer {name!r} is a dataset the server serves "
+                                              "read-only: it cannot be deleted")
                 buffer = self._buffers.pop(name, None)
             if buffer is None:
                 raise BufferNotFoundError(f"no buffer named {name!r}")
@@ -211,7 +243,9 @@ class Registry:
         """``buffer.info()`` (``buffer``: the one named ``name``, looked up if not
         given) with its name, and its file relative to the data directory."""
         buffer = self.get(name) if buffer is None else buffer
-        return dataclasses.replace(buffer.info(), name=name, path=self.path(name).name)
+        path = (Path(buffer.source or "").name if isinstance(buffer, ReadOnlyBuffer)
+                else self.path(name).name)  # a dataset: its source's name
+        return dataclasses.replace(buffer.info(), name=name, path=path)
 
     def list(self) -> list[tuple[str, TieredBuffer]]:
         """``(name, buffer)`` pairs sorted by name (a snapshot)."""

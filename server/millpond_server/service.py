@@ -259,11 +259,17 @@ class ReplayService:
     async def Read(self, request: pb.ReadRequest, context) -> bytes:
         names = list(request.fields) or None
         config = self.ops.registry.get(request.name).config
-        self._check_reply(episodic_reply_nbytes(config, "read", len(request.seqs),
-                                                {"fields": names}), "read")
+        self._check_reply(episodic_reply_nbytes(
+            config, "read", len(request.seqs),
+            {"fields": names, "episode_ids": request.episode_ids}), "read")
         seqs = np.asarray(request.seqs, np.int64)
-        return await self.ops.run(lambda: encode_with_batch(
-            SAMPLE_BATCH_FIELD, self.ops.read(request.name, seqs, names)))
+        return await self.ops.run(lambda: encode_with_batch(SAMPLE_BATCH_FIELD, self.ops.read(
+            request.name, seqs, names, None, request.positions, request.episode_ids)))
+
+    @_rpc
+    async def Reset(self, request: pb.ResetRequest, context) -> pb.ResetReply:
+        await self.ops.run(self.ops.reset, request.name)
+        return pb.ResetReply()
 
     def _check_reply(self, reply: Any, op: str) -> Any:
         """``reply`` (bytes, or a size) if within --max-message-mb, else MessageTooLargeError."""

@@ -22,8 +22,8 @@ from ..errors import BufferClosedError, InvalidArgumentError, InvalidConfigError
 from .bufferfile import BufferFile
 from .checks import check_batch_size, check_indices, check_priorities, check_seed, check_timeout
 from .config import BufferConfig, ConfiguredBuffer, check_exponent
-from .draw import Proportional, strategy_for
-from .episodes import EpisodeIndex
+from .contents import Contents
+from .draw import Proportional
 from .episodic import EpisodicReads
 from .footprint import hot_nbytes, memory_needed, slot_arrays_for
 from .memory import available_memory, check_available, memory_limit
@@ -35,7 +35,7 @@ from .recovery import recover
 from .tier import Tier
 
 
-class TieredBuffer(EpisodicReads, RateWaits, ConfiguredBuffer):
+class TieredBuffer(EpisodicReads, Contents, RateWaits, ConfiguredBuffer):
     """Hot ring + cold mapped-file ring behind one FIFO, as ``config`` describes.
 
     ``total_capacity == hot_capacity`` means no cold tier: the record leaving
@@ -48,7 +48,8 @@ class TieredBuffer(EpisodicReads, RateWaits, ConfiguredBuffer):
     of the process; ``release()`` unmaps it and keeps the file, and
     :meth:`open` brings it back. ``sync_every_push`` makes each push wait for
     its pages to reach the disk (msync) before it returns.
-    Episodic buffers: see :class:`.episodic.EpisodicReads`.
+    Episodic buffers: see :class:`.episodic.EpisodicReads`; positions, contents and
+    reset: :class:`.contents.Contents`.
 
     Sampling (``config.mode``): ``"replay"`` draws with replacement (see
     :mod:`.draw`) and keeps records until they are evicted or used up;
@@ -113,11 +114,7 @@ class TieredBuffer(EpisodicReads, RateWaits, ConfiguredBuffer):
         self.config = config
         self.persistent = persistent
         self._fifo = fifo
-        self._strategy = strategy_for(config, fifo, fifo.file, persistent)
-        self._episodes = (EpisodeIndex(fifo, config.meta_fields, fifo.file if persistent else None)
-                          if config.episodes else None)
-        fifo.listeners = (self._strategy,) if self._episodes is None else (
-            self._strategy, self._episodes)
+        self._build_index()
         if fifo.file is not None:  # the hot tier resident while there is room for it
             available = available_memory()
             self.hot_locked = fifo.file.settle(lock_hot=persistent and (
@@ -129,8 +126,8 @@ class TieredBuffer(EpisodicReads, RateWaits, ConfiguredBuffer):
         if fifo.file is not None:
             # Like the reference's Drop: a buffer dropped (or alive at exit)
             # without close() still unmaps its file, and deletes it unless
-            # the buffer is persistent.
-            weakref.finalize(self, _unmap, fifo, fifo.listeners, not persistent)
+            # the buffer is persistent. (Its listeners are the FIFO's then: reset replaces them.)
+            weakref.finalize(self, _unmap, fifo, not persistent)
 
     # ---- properties -----------------------------------------------------------
 
@@ -336,14 +333,6 @@ class TieredBuffer(EpisodicReads, RateWaits, ConfiguredBuffer):
                 return False
         return self._rate.can_sample(batch_size, size)
 
-    def contents(self) -> dict[str, np.ndarray]:
-        """Every record that can be sampled, oldest first (a copy): for export, checks, tests."""
-        with self._lock:
-            self._check_open()
-            seqs = self._fifo.live()
-            seqs = seqs[self._strategy.drawable(seqs)]
-            return self._fifo.gather(seqs)
-
     # ---- lifecycle ------------------------------------------------------------
 
     def close(self) -> None:
@@ -374,7 +363,7 @@ class TieredBuffer(EpisodicReads, RateWaits, ConfiguredBuffer):
                 return
             self._closed = True
             self._rate.changed()  # waiters wake up and raise BufferClosedError
-            _unmap(self._fifo, self._fifo.listeners, delete)
+            _unmap(self._fifo, delete)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -387,10 +376,10 @@ class TieredBuffer(EpisodicReads, RateWaits, ConfiguredBuffer):
         )
 
 
-def _unmap(fifo: Fifo, listeners: Any, delete: bool) -> None:
+def _unmap(fifo: Fifo, delete: bool) -> None:
     """Drop every view of the buffer's memory, then unmap (and maybe delete) its file."""
     fifo.hot.release()
-    for listener in listeners:  # views of the file's map must go before it closes
+    for listener in fifo.listeners:  # views of the file's map must go before it closes
         listener.release()
     if fifo.file is not None:
         fifo.file.close(delete=delete)

@@ -43,6 +43,7 @@ class EpisodicReads:
     _check_open: Callable[[], None]
     _generator: Callable[[int | None], np.random.Generator]
     _read: Callable[..., dict[str, np.ndarray]]
+    _at_positions: Callable[[np.ndarray], np.ndarray]
 
     def update_episodes(self, updates: Sequence[tuple[int, Mapping[str, Any] | None, bool]]
                         ) -> None:
@@ -118,16 +119,25 @@ class EpisodicReads:
             self._check_open()
             return sequences.catalog(index, wanted)
 
-    def read(self, seqs: Any, fields: Sequence[str] | None = None, *, out: Out = None
-             ) -> dict[str, np.ndarray]:
+    def read(self, seqs: Any, fields: Sequence[str] | None = None, *, positions: bool = False,
+             episode_ids: bool = False, out: Out = None) -> dict[str, np.ndarray]:
         """Records by index (the ``seqs`` of :meth:`episode_catalog`, the ``indices`` of
-        a sample), in the order given, fields ``fields`` (default: all), and ``live``:
-        which were still live (the others' rows are zero). Not a sample."""
-        wanted = check_indices(seqs, "seqs")
+        a sample), in the order given, fields ``fields`` (default: all, in the order
+        given), and ``live``: which were still live (the others' rows are zero).
+
+        ``positions``: ``seqs`` are positions in the contents instead (0 = the
+        oldest record, see :mod:`.contents`), resolved under the lock with the
+        read: IndexOutOfRangeError, nothing read, if one is not in ``[0, len)``.
+        ``episode_ids`` (episodic buffers): also each record's episode id.
+        Not a sample: no rate limit, no use counted."""
+        wanted = check_indices(seqs, "positions" if positions else "seqs")
         names = self._field_names(fields)
+        index = self._episodes_or_raise() if episode_ids else None
         with self._lock:
             self._check_open()
-            return sequences.read(self._fifo, wanted, names, out)
+            if positions:
+                wanted = self._at_positions(wanted)
+            return sequences.read(self._fifo, wanted, names, out, index)
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -208,6 +218,8 @@ def check_fields(config: BufferConfig, fields: Sequence[str] | None) -> list[str
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
         raise InvalidArgumentError(f"fields must be field names, got {fields!r}")
     names = list(names)
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(f"fields must name each field once, got {names}")
     unknown = [name for name in names if name not in config.schema.names]
     if unknown:
         raise InvalidArgumentError(f"unknown fields {unknown}; the buffer has "

@@ -30,6 +30,9 @@ class FifoListener(Protocol):
     def reusing(self, lo: int, hi: int) -> None:
         """Records ``[lo, hi)`` are about to be written into the slots of evicted ones."""
 
+    def release(self) -> None:
+        """Drop every view of the file (it is about to be unmapped, or the listener replaced)."""
+
 
 class Fifo:
     """The live ranges ``[first, pushed)`` (hot from ``hot_lo``) and the tiers holding them.
@@ -120,6 +123,12 @@ class Fifo:
             result = self.gather(seqs, out)
             self._commit(self.pushed, int(seqs[-1]) + 1, self.hot_lo, always=True)
         return result
+
+    def clear(self) -> None:
+        """Drop every live record (a reset) in one commit: a crash leaves all of them or none.
+        Seqs go on counting from ``pushed``, so that no later record takes an old one's seq
+        (a sample's ``indices`` never name a record pushed after the reset)."""
+        self._commit(self.pushed, self.pushed, self.pushed, always=True)
 
     def _commit(self, pushed: int, first: int, hot_lo: int, always: bool = False) -> None:
         """Adopt the live ranges; record them in the file if durable.

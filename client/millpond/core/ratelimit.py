@@ -168,6 +168,11 @@ class RateState:
             self.offset = (size * self.limiter.samples_per_insert if removes
                            else self.limiter.centre)
 
+    def reset(self) -> None:
+        """After the buffer's reset: the diff starts again at 0, as at creation. The
+        counters go on counting (``info()`` and the metrics report them as totals)."""
+        self.offset -= self.diff()
+
     def diff(self, inserts: int = 0, samples: int = 0) -> float:
         """``inserts * samples_per_insert - samples``, after the given extra ones."""
         spi = self.limiter.samples_per_insert if self.limiter else 1.0
@@ -194,7 +199,7 @@ class RateState:
             return f"{size} records held"
         return (f"{size} records held, min size to sample {lim.min_size_to_sample}; "
                 f"{self.inserts} inserts x {lim.samples_per_insert:g} - {self.samples} samples"
-                + (f" + {self.offset:g} from before the reopen" if self.offset else "")
+                + (f" + {self.offset:g} from before the reopen or reset" if self.offset else "")
                 + f" = diff {self.diff():g}, allowed band [{lim.min_diff:g}, {lim.max_diff:g}]")
 
     # ---- waiting --------------------------------------------------------------------

@@ -91,17 +91,21 @@ def catalog(index: EpisodeIndex, filter_meta: Filter) -> dict[str, np.ndarray]:
     return {**described, "lens": lengths, "seqs": index.chains(heads, lengths)}
 
 
-def read(fifo: Fifo, seqs: np.ndarray, names: Sequence[str] | None, out: Out = None
-         ) -> dict[str, np.ndarray]:
-    """Records ``seqs`` (fields ``names``, default all) in the order given, and ``live``:
-    which were still live (the others' rows are zero)."""
+def read(fifo: Fifo, seqs: np.ndarray, names: Sequence[str] | None, out: Out = None,
+         index: EpisodeIndex | None = None) -> dict[str, np.ndarray]:
+    """Records ``seqs`` (fields ``names``, default all, in that order) in the order given,
+    and ``live``: which were still live (the others' rows are zero); with ``index``, also
+    ``episode_ids`` (0 where not live)."""
     live = fifo.is_live(seqs)
     if not live.any():
-        rows = {f.name: np.zeros((len(seqs),) + f.shape, f.dtype) for f in fifo.schema
-                if names is None or f.name in names}
+        rows = {name: np.zeros((len(seqs),) + fifo.schema[name].shape, fifo.schema[name].dtype)
+                for name in names or fifo.schema.names}
     else:
         rows = _padded(fifo, np.where(live, seqs, seqs[live][0]), live, names, out)
-    return _into(out, {**rows, "live": live})
+    result = {**rows, "live": live}
+    if index is not None:
+        result["episode_ids"] = np.where(live, index.episode[seqs % fifo.total_capacity], 0)
+    return _into(out, result)
 
 
 def _padded(fifo: Fifo, seqs: np.ndarray, mask: np.ndarray, names: Sequence[str] | None = None,
@@ -160,10 +164,12 @@ def n_step_specs(config: BufferConfig, batch_size: int) -> Spec:
              ("n_step_lens", _I8, (batch_size,)), *_extra_specs(config, batch_size)))
 
 
-def read_specs(config: BufferConfig, n: int, names: Sequence[str] | None) -> Spec:
-    """Every array :func:`read` returns."""
-    return ((*((f.name, f.dtype, (n, *f.shape)) for f in config.schema
-               if names is None or f.name in names), ("live", _BOOL, (n,))))
+def read_specs(config: BufferConfig, n: int, names: Sequence[str] | None,
+               episode_ids: bool = False) -> Spec:
+    """Every array :func:`read` returns (fields in the order of ``names``)."""
+    fields = [config.schema[name] for name in names or config.schema.names]
+    return ((*((f.name, f.dtype, (n, *f.shape)) for f in fields), ("live", _BOOL, (n,)),
+             *((("episode_ids", _I8, (n,)),) if episode_ids else ())))
 
 
 def _meta_specs(config: BufferConfig, b: int) -> Spec:
@@ -186,7 +192,7 @@ def episodic_reply_nbytes(config: BufferConfig, op: str, n: int, params: Mapping
     elif op == "sample_n_step":
         specs = n_step_specs(config, n)
     elif op == "read":
-        specs = read_specs(config, n, params.get("fields"))
+        specs = read_specs(config, n, params.get("fields"), params.get("episode_ids", False))
     elif op == "sample":
         specs = (*((f.name, f.dtype, (n, *f.shape)) for f in config.schema),
                  *_extra_specs(config, n))

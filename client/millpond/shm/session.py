@@ -246,14 +246,17 @@ class ShmSession:
             return self._into_result(message, specs)
 
     def read(self, buffer: str, seqs: np.ndarray, names: list[str] | None,
-             specs: protocol.Specs, deadline: float) -> dict[str, np.ndarray]:
-        """Records by index: ``seqs`` travel through the push segment."""
+             specs: protocol.Specs, deadline: float, flags: dict[str, bool] | None = None
+             ) -> dict[str, np.ndarray]:
+        """Records by index: ``seqs`` travel through the push segment. ``flags``:
+        ``positions``, ``episode_ids`` (see the engine's ``read``)."""
         with self._lock:
             self._set_deadline(deadline)
             segment, mm = self._push_segment_for(max(1, len(seqs)) * protocol.INDEX_DTYPE.itemsize)
             seqs_entry = _write_vector(mm, 0, seqs, protocol.INDEX_DTYPE)
             return self._into_result({"op": "read", "buffer": buffer, "push_segment": segment,
-                                      "seqs": seqs_entry, "n": len(seqs), "fields": names}, specs)
+                                      "seqs": seqs_entry, "n": len(seqs), "fields": names,
+                                      **(flags or {})}, specs)
 
     def _into_result(self, message: dict[str, Any], specs: protocol.Specs
                      ) -> dict[str, np.ndarray]:

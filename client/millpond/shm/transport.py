@@ -113,9 +113,12 @@ class ShmTransport:
             return session.into_result(message, specs, deadline)
 
     def read(self, buffer: str, config: BufferConfig, seqs: np.ndarray, names: list[str] | None,
-             deadline: float) -> dict[str, np.ndarray]:
+             deadline: float, positions: bool = False, episode_ids: bool = False
+             ) -> dict[str, np.ndarray]:
+        specs = read_specs(config, len(seqs), names, episode_ids)
         with self._session(deadline) as session:
-            return session.read(buffer, seqs, names, read_specs(config, len(seqs), names), deadline)
+            return session.read(buffer, seqs, names, specs, deadline,
+                                {"positions": positions, "episode_ids": episode_ids})
 
     def update_priorities(self, buffer: str, indices: np.ndarray, priorities: np.ndarray,
                           deadline: float) -> int:

@@ -343,11 +343,25 @@ class EpisodeCatalogRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., filter_meta: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("name", "seqs", "fields")
+    __slots__ = ("name", "seqs", "fields", "positions", "episode_ids")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_IDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     seqs: _containers.RepeatedScalarFieldContainer[int]
     fields: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., seqs: _Optional[_Iterable[int]] = ..., fields: _Optional[_Iterable[str]] = ...) -> None: ...
+    positions: bool
+    episode_ids: bool
+    def __init__(self, name: _Optional[str] = ..., seqs: _Optional[_Iterable[int]] = ..., fields: _Optional[_Iterable[str]] = ..., positions: _Optional[bool] = ..., episode_ids: _Optional[bool] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ResetReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -109,6 +109,11 @@ class ReplayStub:
                 request_serializer=millpond_dot_v1_dot_replay__pb2.ReadRequest.SerializeToString,
                 response_deserializer=millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
                 _registered_method=True)
+        self.Reset = channel.unary_unary(
+                '/millpond.v1.Replay/Reset',
+                request_serializer=millpond_dot_v1_dot_replay__pb2.ResetRequest.SerializeToString,
+                response_deserializer=millpond_dot_v1_dot_replay__pb2.ResetReply.FromString,
+                _registered_method=True)
 
 
 class ReplayServicer:
@@ -221,6 +226,13 @@ class ReplayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reset(self, request, context):
+        """Drop every record, keep the buffer and its config (see the client's reset()).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -298,6 +310,11 @@ def add_ReplayServicer_to_server(servicer, server):
                     servicer.Read,
                     request_deserializer=millpond_dot_v1_dot_replay__pb2.ReadRequest.FromString,
                     response_serializer=millpond_dot_v1_dot_replay__pb2.SampleReply.SerializeToString,
+            ),
+            'Reset': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reset,
+                    request_deserializer=millpond_dot_v1_dot_replay__pb2.ResetRequest.FromString,
+                    response_serializer=millpond_dot_v1_dot_replay__pb2.ResetReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -705,6 +722,33 @@ class Replay:
             '/millpond.v1.Replay/Read',
             millpond_dot_v1_dot_replay__pb2.ReadRequest.SerializeToString,
             millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/millpond.v1.Replay/Reset',
+            millpond_dot_v1_dot_replay__pb2.ResetRequest.SerializeToString,
+            millpond_dot_v1_dot_replay__pb2.ResetReply.FromString,
             options,
             channel_credentials,
             insecure,

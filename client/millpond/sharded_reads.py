@@ -1,4 +1,4 @@
-"""The episodic calls of a buffer spread over shards (mixed into
+"""The episodic calls, reads and reset of a buffer spread over shards (mixed into
 :class:`~millpond.sharded_buffer.ShardedBuffer`).
 
 Episodes never span shards: a handle writes every record, meta and end of
@@ -19,6 +19,12 @@ from them on its own. Across shards:
   among the matches.
 * ``episode_catalog`` lists shard after shard; its ``seqs`` carry the
   shard like sample ``indices``, so ``read`` sends each to its shard.
+* Positions (``sample_by_index``, ``sample_all``, ``epoch_iterator``,
+  ``export``) count the shards' records shard after shard (shard 0's oldest
+  is 0), from the sizes the shards report at the start of the call; each
+  shard resolves its own positions under its lock, but the shards are not
+  read at one instant. ``reset`` empties every shard, and every shard must
+  answer.
 * If a handle's shard stops answering mid-episode, the rest of the episode
   goes to the next shard, which stores it as an episode of its own (steps
   from 0); the head stays on the old shard, never ended.
@@ -41,14 +47,14 @@ from .core.episodic import (
     check_updates,
     require_episodes,
 )
-from .errors import NotEnoughDataError
+from .errors import IndexOutOfRangeError, NotEnoughDataError
 from .sharding import decode_indices, encode_indices, raise_answered
 
 if TYPE_CHECKING:
     from .remote import RemoteBuffer
     from .sharded import ShardedClient
 
-class ShardedEpisodes:
+class ShardedReads:
     """Episodic reads and updates over the shards (see the module docstring)."""
 
     config: BufferConfig
@@ -148,19 +154,28 @@ class ShardedEpisodes:
         parts = [{**got[s], "seqs": encode_indices(s, got[s]["seqs"])} for s in sorted(got)]
         return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
-    def read(self, seqs: Any, fields: Any = None) -> dict[str, np.ndarray]:
-        """Records by index (a sharded sample's ``indices``, a sharded catalog's ``seqs``),
-        in the order given, and ``live``; a shard that does not answer raises."""
+    def read(self, seqs: Any, fields: Any = None, *, positions: bool = False,
+             episode_ids: bool = False) -> dict[str, np.ndarray]:
+        """Records by index (a sharded sample's ``indices``, a sharded catalog's ``seqs``)
+        or by position (see the module docstring), in the order given, and ``live``.
+        A shard that does not answer raises: its records cannot be read elsewhere."""
         self._check_open()
-        wanted, names = check_indices(seqs, "seqs"), check_fields(self.config, fields)
-        shards, local = decode_indices(wanted, self._client.shards)
+        wanted = check_indices(seqs, "positions" if positions else "seqs")
+        names = check_fields(self.config, fields)
+        if episode_ids:
+            require_episodes(self.config)
         self.flush()
+        if positions:
+            shards, local = self._positions(wanted)
+        else:
+            shards, local = decode_indices(wanted, self._client.shards)
         rows = {int(s): np.flatnonzero(shards == s) for s in np.unique(shards)}
+        options = dict(positions=positions, episode_ids=episode_ids)
         if not rows:  # nothing asked: the shape of an answer from shard 0
-            return self.remotes[0].read(local, names)
+            return self.remotes[0].read(local, names, **options)
         got, errors = self._client.fan_out(
-            list(rows), lambda s: self.remotes[s].read(local[rows[s]], names))
-        for shard in sorted(errors):  # (one that did not answer cannot be read elsewhere)
+            list(rows), lambda s: self.remotes[s].read(local[rows[s]], names, **options))
+        for shard in sorted(errors):
             raise errors[shard]
         first = got[min(got)]
         out = {name: np.empty((len(wanted),) + a.shape[1:], a.dtype) for name, a in first.items()}
@@ -168,6 +183,43 @@ class ShardedEpisodes:
             for name, array in part.items():
                 out[name][rows[s]] = array
         return out
+
+    def _positions(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(shards, local positions)`` of positions over the shards' contents, shard
+        after shard; IndexOutOfRangeError (nothing read) for one past the end."""
+        sizes = [0] * self._client.shards
+        for shard, info in self._every_info().items():
+            sizes[shard] = info.size
+        starts = np.cumsum([0] + sizes)
+        if len(positions) and positions.max() >= starts[-1]:
+            raise IndexOutOfRangeError(
+                f"position {int(positions.max())} is out of range: the buffer holds "
+                f"{int(starts[-1])} records (positions 0 to {int(starts[-1]) - 1})")
+        shards = np.searchsorted(starts, positions, side="right") - 1
+        return shards, positions - starts[shards]
+
+    def _every_info(self) -> dict[int, BufferInfo]:
+        """Every shard's info; raise if one does not answer (reads by position and
+        reset need them all)."""
+        shards = list(range(self._client.shards))
+        infos, errors = self._client.fan_out(shards, lambda s: self.remotes[s].info())
+        for shard in sorted(errors):
+            raise errors[shard]
+        return infos
+
+    def read_chunk(self, record_nbytes: int) -> int:
+        """Records one read's reply may carry (the smallest of the shards' limits)."""
+        return min(remote.read_chunk(record_nbytes) for remote in self.remotes)
+
+    def reset(self) -> None:
+        """Drop every record on every shard (each answers, or this raises; shards that
+        did answer are empty then)."""
+        self._check_open()
+        self.flush()
+        _, errors = self._client.fan_out(list(range(self._client.shards)),
+                                         lambda s: self.remotes[s].reset())
+        for shard in sorted(errors):
+            raise errors[shard]
 
 
 def _merge_padded(parts: list[dict[str, np.ndarray]], stepwise: set[str]
