@@ -258,13 +258,19 @@ class ReplayService:
     @_rpc
     async def Read(self, request: pb.ReadRequest, context) -> bytes:
         names = list(request.fields) or None
-        config = self.ops.registry.get(request.name).config
-        self._check_reply(episodic_reply_nbytes(
-            config, "read", len(request.seqs),
+        buffer = self.ops.registry.get(request.name)
+        nbytes = self._check_reply(episodic_reply_nbytes(
+            buffer.config, "read", len(request.seqs),
             {"fields": names, "episode_ids": request.episode_ids}), "read")
         seqs = np.asarray(request.seqs, np.int64)
-        return await self.ops.run(lambda: encode_with_batch(SAMPLE_BATCH_FIELD, self.ops.read(
-            request.name, seqs, names, None, request.positions, request.episode_ids)))
+
+        def read() -> bytes:
+            return encode_with_batch(SAMPLE_BATCH_FIELD, self.ops.read(
+                request.name, seqs, names, None, request.positions, request.episode_ids))
+
+        if nbytes <= INLINE_BYTES:  # a learner's batch by position: on the loop, as samples
+            return await self.ops.admit_small(buffer, None, read)
+        return await self.ops.run(read)
 
     @_rpc
     async def Reset(self, request: pb.ResetRequest, context) -> pb.ResetReply:
