@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
 
-.PHONY: venv run test lint bench proto docker clean
+.PHONY: venv run test lint bench examples proto docker clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,11 +22,14 @@ test: lint  ## lint, type checks and the whole test suite
 	$(PY) -m pytest $(ARGS)
 
 lint: $(STAMP)  ## ruff and mypy (configured in pyproject.toml)
-	$(VENV)/bin/ruff check client server tests bench
+	$(VENV)/bin/ruff check client server tests bench examples
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)  ## throughput and memory figures (not a test)
 	$(PY) bench/bench.py $(ARGS)
+
+examples: $(STAMP)  ## short runs of examples/ (the long ones: see examples/README.md)
+	$(PY) -m pytest tests/test_examples.py $(ARGS)
 
 proto: $(STAMP)  ## regenerate client/millpond/v1 from proto/
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=client --pyi_out=client \

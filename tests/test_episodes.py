@@ -253,6 +253,20 @@ def test_n_step_sample_sums_discounted_rewards():
         assert ret == pytest.approx(sum(0.5 ** i * rewards[t + i] for i in range(k)))
 
 
+def test_a_sampler_prefetches_n_step_and_filtered_samples(stored):
+    buf = millpond.ReplayBuffer(50, obs_dim=1, act_dim=1, episodes=True)
+    for t in range(8):
+        buf.push([t], [0], 1.0, t == 3, False, [t + 1])
+    with buf.sampler(4, seed=7, max_batches=3, n_step=3, gamma=0.5) as sampler:
+        batches = list(sampler)
+    for i, batch in enumerate(batches):  # batch i is sample(seed=7 + i) with the same options
+        again = buf.sample(4, seed=7 + i, n_step=3, gamma=0.5)
+        assert all((batch[key] == again[key]).all() for key in again)
+    episodic, _ = stored
+    with episodic.sampler(16, max_batches=2, filter_meta={"task_id": 1}) as sampler:
+        assert all(set(b["state"][:, 0] % 2) == {1} for b in sampler)  # episodes 1 and 3
+
+
 def test_prioritized_sequences_give_weights_and_indices_update_priorities_accepts():
     buf = millpond.PrioritizedReplayBuffer(50, obs_dim=1, act_dim=1, episodes=True)
     for t in range(10):

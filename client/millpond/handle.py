@@ -131,16 +131,25 @@ class Buffer(LearnerMethods, EpisodeMethods, ConfiguredBuffer):
         seed: int | None = None,
         max_batches: int | None = None,
         device: Any = None,
+        *,
+        n_step: int | None = None,
+        gamma: float = 0.99,
+        filter_meta: Mapping[str, Any] | None = None,
     ) -> Sampler:
         """An iterator of ``sample(batch_size)`` batches with ``prefetch`` requests in flight.
 
         With ``seed``, batch ``i`` equals ``sample(batch_size, seed + i)``.
         Endless unless ``max_batches`` is given; close it (or use ``with``)
-        when done. See :class:`millpond.sampler.Sampler`. ``device``: as for
-        :meth:`sample` (the prefetching threads make the tensors).
+        when done. See :class:`millpond.sampler.Sampler`. ``device``,
+        ``n_step``, ``gamma``, ``filter_meta``: as for :meth:`sample` (the
+        prefetching threads make the tensors).
         """
         check_device(device)
-        sample = self.sample if device is None else functools.partial(self.sample, device=device)
+        given = {"device": device, "n_step": n_step, "filter_meta": filter_meta}
+        options: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
+        if n_step is not None:
+            options["gamma"] = gamma
+        sample = functools.partial(self.sample, **options) if options else self.sample
         return Sampler(sample, batch_size, prefetch=prefetch, seed=seed, max_batches=max_batches)
 
     def info(self) -> BufferInfo:
