@@ -294,10 +294,15 @@ class EpisodeIndex:
         that. Damaged records are not left out (see :meth:`windows`)."""
         steps = np.empty((length, len(starts)), np.int64)  # one contiguous row per step
         steps[0] = starts
-        for j in range(1, length):  # "wrap": the slot is the seq modulo the capacity
-            np.take(self.next, steps[j - 1], mode="wrap", out=steps[j])
-        # Steps count up by one along an episode: the walk's length, with no test per step.
-        lens = self.step.take(steps[-1], mode="wrap") - self.step.take(starts, mode="wrap") + 1
+        slots = np.empty(len(starts), np.int64)
+        total = self.fifo.total_capacity
+        for j in range(1, length):
+            # Not take(mode="wrap"): numpy wraps by repeated subtraction, seq // capacity
+            # steps per index, which grows without bound as a buffer lives on.
+            np.remainder(steps[j - 1], total, out=slots)
+            self.next.take(slots, mode="clip", out=steps[j])
+        # A walk stays on an episode's last record once there: its length is 1 + its moves.
+        lens = (steps[1:] != steps[:-1]).sum(axis=0) + 1
         return steps.T, lens
 
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:

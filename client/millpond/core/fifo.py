@@ -177,17 +177,24 @@ class Fifo:
         row for row: fields ``names`` (default: all), into ``out``'s arrays if given
         (C-contiguous, e.g. shared memory). Records all in one tier (the usual case) are
         copied once; otherwise each tier's rows are gathered, then scattered."""
-        fields = [self.schema[name] for name in names or self.schema.names]
-        flat = seqs.reshape(-1)
-        result = {f.name: (np.empty(seqs.shape + f.shape, f.dtype) if out is None
-                           else out[f.name]) for f in fields}
-        rows = {name: array.reshape((len(flat),) + array.shape[seqs.ndim:])
-                for name, array in result.items()}
+        schema = self.schema
+        result = {}
+        for name in names or schema.names:
+            field = schema[name]
+            result[name] = (np.empty(seqs.shape + field.shape, field.dtype) if out is None
+                            else out[name])
+        flat, rows = seqs, result
+        if seqs.ndim != 1:
+            flat = seqs.reshape(-1)
+            rows = {name: array.reshape((len(flat),) + array.shape[seqs.ndim:])
+                    for name, array in result.items()}
+        if not len(flat) or flat.min() >= self.hot_lo:  # the usual case: one check
+            self.hot.gather(flat, rows, 0)
+            return result
         is_hot = flat >= self.hot_lo
-        if is_hot.all() or not is_hot.any():
-            tier = self.hot if is_hot.all() else self.cold
-            assert tier is not None
-            tier.gather(flat, rows, 0)
+        if not is_hot.any():
+            assert self.cold is not None
+            self.cold.gather(flat, rows, 0)
         else:
             order = np.argsort(is_hot, kind="stable")
             gathered = self.gather(flat[order], {n: np.empty_like(a) for n, a in rows.items()})

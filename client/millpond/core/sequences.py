@@ -9,6 +9,7 @@ allows, and gathers rows in draw order. Positions past an episode's end
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Mapping, Sequence
 
@@ -70,14 +71,22 @@ def sample_n_step(fifo: Fifo, index: EpisodeIndex, strategy: Any, rng: np.random
         seqs, lens = _fill(windows, windows >= 0, starts), (windows >= 0).sum(axis=1)
     else:  # past an episode's end: its last record again
         seqs, lens = index.walk(starts, n_step)
-    inside = np.arange(n_step) < lens[:, None]
-    discounts = gamma ** np.arange(n_step, dtype=np.float64)
-    returns = (fifo.take(seqs, "rewards") * inside) @ discounts
+    returns = np.einsum("ij,ij->i", fifo.take(seqs, "rewards"), _discounts(n_step, gamma)[lens])
     head = fifo.gather_rows(starts, ["obs", "actions"], out)
     tail = fifo.gather_rows(seqs[:, -1], ["next_obs", "terminated", "truncated"], out)
     rows = {**head, **tail, "rewards": returns.astype(fifo.schema["rewards"].dtype)}
     return _into(out, {**{name: rows[name] for name in fifo.schema.names}, "n_step_lens": lens,
                        **extras})
+
+
+@functools.lru_cache(maxsize=64)
+def _discounts(n_step: int, gamma: float) -> np.ndarray:
+    """Row ``k``: the discounts of the first ``k`` of ``n_step`` rewards, zero after them
+    (a window that ends after ``k`` steps)."""
+    powers = np.full((n_step + 1, n_step), gamma, np.float64) ** np.arange(n_step)
+    table = np.tril(powers, -1)
+    table.flags.writeable = False
+    return table
 
 
 def catalog(index: EpisodeIndex, filter_meta: Filter) -> dict[str, np.ndarray]:
