@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from support import ServerProcess
+from support import ServerProcess, start_all
 
 
 @pytest.fixture
@@ -19,6 +19,16 @@ def shared_server(tmp_path_factory):
     """One daemon for a whole test module (for suites of many small tests)."""
     with ServerProcess(tmp_path_factory.mktemp("srv") / "data") as proc:
         yield proc
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Three daemons for a whole test module: their addresses (a sharded client's target)."""
+    root = tmp_path_factory.mktemp("shards")
+    servers = start_all([ServerProcess(root / f"shard{i}") for i in range(3)])
+    yield [s.address for s in servers]
+    for server in servers:
+        server.stop()
 
 
 @pytest.fixture

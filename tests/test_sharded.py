@@ -21,15 +21,6 @@ FIELDS = {"id": ("int64", ())}
 _names = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shards")
-    servers = start_all([ServerProcess(root / f"shard{i}") for i in range(3)])
-    yield [s.address for s in servers]
-    for server in servers:
-        server.stop()
-
-
 def name() -> str:
     return f"sharded-{next(_names)}"
 

@@ -15,15 +15,6 @@ META = {"task": ("int64", ())}
 _names = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    root = tmp_path_factory.mktemp("episode-shards")
-    servers = start_all([ServerProcess(root / f"shard{i}") for i in range(3)])
-    yield [s.address for s in servers]
-    for server in servers:
-        server.stop()
-
-
 def steps(writer: int, episode: int, length: int) -> dict:
     """Self-describing steps: obs = (writer, episode, step), reward = step; the last ends."""
     t = np.arange(length)
