@@ -3,17 +3,20 @@ union, update routing, seeds, and a shard SIGKILLed and restarted mid-run."""
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import math
 import pickle
 import signal
+import socket
 
 import numpy as np
 import pytest
 
 import millpond
 from millpond.core import TieredBuffer
-from millpond.sharded import ShardedClient, resolve
+from millpond.shard_names import _natural, resolve, stable_names
+from millpond.sharded import ShardedClient
 from millpond.sharding import SHARD_SHIFT, decode_indices, encode_indices, shard_configs, split
 from support import ServerProcess, start_all, wait_until
 
@@ -63,9 +66,15 @@ def test_indices_carry_their_shard():
         decode_indices(np.array([-1]), 3)
 
 
-def test_dns_targets_resolve_to_every_address_sorted():
-    found = resolve("dns:///localhost:5")
-    assert found and found == [a for a in ("127.0.0.1:5", "[::1]:5") if a in found]  # v4 first
+def test_dns_targets_resolve_to_the_addresses_own_names_or_the_addresses_sorted():
+    loopback = ipaddress.ip_address("127.0.0.1")
+    named = stable_names([loopback])  # /etc/hosts: 127.0.0.1 is localhost, and back
+    assert named == [socket.gethostbyaddr("127.0.0.1")[0]]
+    assert resolve("dns:///127.0.0.1:5") == [f"{named[0]}:5"]  # a name gRPC re-resolves
+    # An address with no name of its own (no reverse DNS): the addresses, sorted.
+    assert stable_names([loopback, ipaddress.ip_address("10.255.1.7")]) is None
+    assert sorted(["millpond-10", "millpond-9", "millpond-0"], key=_natural) == [
+        "millpond-0", "millpond-9", "millpond-10"]  # StatefulSet ordinals in order
     with pytest.raises(millpond.InvalidConfigError):
         resolve("dns:///localhost")
 
@@ -198,7 +207,12 @@ def test_queues_pop_from_the_fullest_shard_and_classes_take_address_lists(shards
     assert len(buf) == 1 and buf.sample(1, seed=0)["rewards"].tolist() == [1.0]
     buf.close()
     one = millpond.connect(f"dns:///{shards[0]}", timeout=10)  # a name of one address
-    assert one.shards == 1 and one.addresses == (shards[0],)
+    port = shards[0].rsplit(":", 1)[1]  # 127.0.0.1's own name (localhost), or the address
+    assert one.shards == 1 and one.addresses in ((shards[0],), (f"localhost:{port}",))
+    via_name = one.create_buffer(name(), capacity=3, fields=FIELDS)
+    via_name.push_batch(id=[7])
+    assert len(via_name) == 1 and via_name.sample(1)["id"].tolist() == [7]
+    via_name.close()
 
 
 # ---- a shard dies and comes back -----------------------------------------------------------

@@ -8,9 +8,13 @@ handles) span the shards: capacities are split, each writer sticks to one
 shard, samples are uniform (or prioritized) over the union. The arithmetic
 is in :mod:`millpond.sharding`.
 
-Shard ``i`` is the ``i``-th address as given, or, for ``dns:///``, of the
-addresses sorted (IPv4 before IPv6, numerically), so every client of the
-same name sees the same order. The name is resolved once, when connecting.
+Shard ``i`` is the ``i``-th address as given. ``dns:///`` is resolved once,
+when connecting, to every address of the name; where each address has a
+name of its own (reverse DNS that resolves back to it, e.g. a StatefulSet
+pod's ``millpond-0.millpond.ns.svc.cluster.local``), the shards are those
+names in natural order, and gRPC finds a pod again after it restarts with a
+new address; else they are the addresses sorted (IPv4 before IPv6,
+numerically). Either way every client of the same name sees the same order.
 
 A shard that does not answer within the call's deadline (the client's
 ``timeout``) is marked down: pushes go to another shard, samples draw from
@@ -21,10 +25,8 @@ seconds) and used again as soon as it says SERVING.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import random
-import socket
 import threading
 import time
 from collections import Counter
@@ -46,32 +48,16 @@ from .errors import (
 from .handle import Buffer, handle_for
 from .making import BufferMaker
 from .sharded_buffer import ShardedBuffer
+from .shard_names import DNS_SCHEME, resolve
 from .sharding import aggregate, global_config, is_down, same_but_capacities, shard_configs
 
 if TYPE_CHECKING:
     from .client import Client
 
-DNS_SCHEME = "dns:///"
 PROBE_INTERVAL = 0.5  # seconds between health probes of a down shard
 PROBE_TIMEOUT = 1.0
 T = TypeVar("T")
 K = TypeVar("K")
-
-
-def resolve(target: str) -> list[str]:
-    """``dns:///NAME:PORT`` -> every address NAME resolves to, sorted, as ``host:port``."""
-    rest = target[len(DNS_SCHEME):]
-    host, sep, port = rest.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit():
-        raise InvalidConfigError(f"expected 'dns:///NAME:PORT', got {target!r}")
-    try:
-        found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise ServerUnavailableError(f"cannot resolve {host!r} ({target}): {exc}") from None
-    ips = sorted({ipaddress.ip_address(str(entry[4][0]).split("%")[0]) for entry in found},
-                 key=lambda ip: (ip.version, int(ip)))
-    return [f"{ip}:{port}" if ip.version == 4 else f"[{ip}]:{port}" for ip in ips]
 
 
 class ShardedClient(BufferMaker):
