@@ -148,8 +148,9 @@ def test_positions_count_shard_after_shard_and_reset_empties_every_shard(shards,
     expected = np.concatenate([s.sample_all()["obs"] for s in singles])
     assert (buf.sample_all()["obs"] == expected).all()
     assert (buf.sample_by_index([10, 0, 3])["obs"] == expected[[10, 0, 3]]).all()
-    with pytest.raises(millpond.IndexOutOfRangeError):
-        buf.sample_by_index([11])
+    for outside in ([11], [0, -1]):  # nothing is read
+        with pytest.raises(millpond.IndexOutOfRangeError):
+            buf.sample_by_index(outside)
     seen = np.concatenate([b["obs"] for b in buf.epoch_iterator(4, seed=0)])
     assert sorted(map(tuple, seen)) == sorted(map(tuple, expected))  # each record once
     path = buf.export(tmp_path / "all.npz")

@@ -191,9 +191,10 @@ class ShardedReads:
         for shard, info in self._every_info().items():
             sizes[shard] = info.size
         starts = np.cumsum([0] + sizes)
-        if len(positions) and positions.max() >= starts[-1]:
+        outside = (positions < 0) | (positions >= starts[-1])
+        if outside.any():
             raise IndexOutOfRangeError(
-                f"position {int(positions.max())} is out of range: the buffer holds "
+                f"position {int(positions[outside][0])} is out of range: the buffer holds "
                 f"{int(starts[-1])} records (positions 0 to {int(starts[-1]) - 1})")
         shards = np.searchsorted(starts, positions, side="right") - 1
         return shards, positions - starts[shards]
