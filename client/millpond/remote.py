@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from .batching import PushBatcher
 from .core.checks import (
     check_batch_size,
     check_count,
@@ -25,25 +24,25 @@ from .core.checks import (
     check_timeout,
 )
 from .core.config import BufferConfig, ConfiguredBuffer, check_exponent
-from .core.episodes import EPISODE_COLUMN, with_episode_column
+from .core.episodes import EPISODE_COLUMN
 from .core.episodic import (
     MAX_WINDOW,
     check_fields,
     check_filter,
     check_n_step,
-    check_push_episodes,
     check_updates,
     require_episodes,
 )
 from .core.info import BufferInfo
-from .errors import BufferClosedError, BufferNotFoundError, InvalidArgumentError
+from .errors import BufferNotFoundError
 from .grpc_transport import FRAMING_BYTES
+from .queued_writes import QueuedWrites
 
 if TYPE_CHECKING:
     from .client import Client
 
 
-class RemoteBuffer(ConfiguredBuffer):
+class RemoteBuffer(QueuedWrites, ConfiguredBuffer):
     """A handle on the server buffer ``name``. Picklable; safe after fork.
 
     Single-record ``push`` calls are batched on the client (see
@@ -64,17 +63,9 @@ class RemoteBuffer(ConfiguredBuffer):
         self.config = config
         self.owner = owner
         self._may_wait = config.rate_limiter is not None  # (queues and stacks have one)
-        self._closed = False
-        self._batcher: PushBatcher | None = None
-        # Pushes of an episodic buffer carry each record's episode id in one more column.
-        self._push_schema = with_episode_column(config.schema) if config.episodes else config.schema
 
     def __reduce__(self):  # pending records stay with this handle, never in a pickle
         return (RemoteBuffer, (self._client, self.name, self.config))
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def __len__(self) -> int:
         return self.info().size
@@ -86,72 +77,10 @@ class RemoteBuffer(ConfiguredBuffer):
 
     # ---- writes ---------------------------------------------------------------
 
-    def push(self, record: Mapping[str, Any], priority: float | None = None, *,
-             episode: int | None = None, updates: Any = None,
-             timeout: float | None = None) -> None:
-        """Queue one record for the next batch (validated now); see the class docstring.
-
-        A record with an explicit ``priority`` (prioritized buffers),
-        ``timeout`` (rate-limited buffers) or episode ``updates`` is sent at
-        once, after what is queued. ``episode``: its episode's id (episodic
-        buffers).
-        """
-        self._check_open()
-        timeout = check_timeout(timeout)
-        ids = check_push_episodes(self.config, episode, 1)
-        checked = check_updates(self.config, updates) if updates else None
-        limit = self._client.push_batch_size
-        if priority is not None or timeout is not None or checked or limit <= 1:  # sent now
-            self._check_priorities_allowed(priority)
-            prios = None if priority is None else check_priorities([priority], 1)
-            batch = self.schema.coerce_record(record)
-            self.flush()
-            self._send(1, batch, prios, timeout, ids, checked)
-            return
-        if self._batcher is None:
-            fits = max(1, (self._client.max_message_bytes - FRAMING_BYTES)
-                       // self._push_schema.record_nbytes)
-            self._batcher = PushBatcher(self._push_schema, self._send_batch, min(limit, fits),
-                                        self._client.push_max_delay)
-        self._batcher.add(record if ids is None else {**record, EPISODE_COLUMN: ids[0]})
-
-    def push_batch(self, columns: Mapping[str, Any], priorities: Any = None, *,
-                   episodes: Any = None, updates: Any = None,
-                   timeout: float | None = None) -> int:
-        """Store a batch (validated locally first, after queued pushes); returns its length.
-
-        ``priorities``: one per record, for prioritized buffers. ``episodes``:
-        one id per record, and ``updates`` applied with them, for episodic
-        buffers (see the engine's ``push_batch``). Over gRPC a batch larger
-        than the message limit is refused before sending
-        (:class:`MessageTooLargeError`); split it, nothing was stored.
-        ``timeout``: seconds the push may wait for the buffer's rate limiter
-        (None: the client's timeout).
-        """
-        self._check_open()
-        timeout = check_timeout(timeout)
-        n, batch = self.schema.coerce_batch(columns)
-        ids = check_push_episodes(self.config, episodes, n)
-        checked = check_updates(self.config, updates) if updates else None
-        self._check_priorities_allowed(priorities)
-        prios = None if priorities is None else check_priorities(priorities, n)
-        self.flush()
-        self._send(n, batch, prios, timeout, ids, checked)
-        return n
-
-    def flush(self) -> None:
-        """Return once every record queued by ``push`` is stored."""
-        if self._batcher is not None:
-            self._batcher.flush()
-
-    def _send_batch(self, columns: dict[str, np.ndarray]) -> None:
-        """The batcher's send (its columns are views it reuses: sending copies them)."""
-        ids = columns.pop(EPISODE_COLUMN, None)
-        self._send(len(next(iter(columns.values()))), columns, None, None, ids)
-
     def _send(self, n: int, batch: dict[str, np.ndarray], priorities: np.ndarray | None,
               timeout: float | None, episodes: np.ndarray | None = None,
               updates: list | None = None) -> None:
+        """Push ``batch`` to the server (the writes' one way out)."""
         if priorities is not None and not len(priorities):
             priorities = None  # no priorities and an empty list are the same push
         schema = self.schema
@@ -184,10 +113,6 @@ class RemoteBuffer(ConfiguredBuffer):
         self._check_priorities_allowed(True)
         self._client.connection.call("set_beta", self.name, check_exponent("beta", beta),
                                      self._client.timeout)
-
-    def _check_priorities_allowed(self, priorities: Any) -> None:
-        if priorities is not None and self.config.prioritized is None:
-            raise InvalidArgumentError("priorities are for prioritized buffers; this one is uniform")
 
     # ---- reads ----------------------------------------------------------------
 
@@ -285,13 +210,6 @@ class RemoteBuffer(ConfiguredBuffer):
 
     # ---- lifecycle ------------------------------------------------------------
 
-    def close(self) -> None:
-        """Flush; then delete the buffer if this handle created it, else release. Idempotent."""
-        if self.owner:
-            self.delete()
-        else:
-            self.release()
-
     def delete(self) -> None:
         """Flush queued pushes, then delete the buffer on the server. Idempotent."""
         if self._closed:
@@ -303,16 +221,3 @@ class RemoteBuffer(ConfiguredBuffer):
         except BufferNotFoundError:
             pass  # deleted already: the result this call wants
         self._closed = True
-
-    def release(self) -> None:
-        """Flush queued pushes and stop using this handle; the server keeps the buffer."""
-        if not self._closed:
-            try:
-                if self._batcher is not None:
-                    self._batcher.close()
-            finally:
-                self._closed = True
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosedError(f"buffer {self.name!r} was closed")

@@ -27,20 +27,16 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
-from .batching import PushBatcher
 from .core.checks import check_batch_size, check_indices, check_priorities, check_seed, check_timeout
 from .core.config import BufferConfig, ConfiguredBuffer, check_exponent
-from .core.episodes import EPISODE_COLUMN, with_episode_column
-from .core.episodic import check_filter, check_push_episodes, check_updates
+from .core.episodic import check_filter
 from .core.info import BufferInfo, ShardInfo
 from .errors import (
-    BufferClosedError,
     BufferNotFoundError,
-    InvalidArgumentError,
     NotEnoughDataError,
     ServerUnavailableError,
 )
-from .grpc_transport import FRAMING_BYTES
+from .queued_writes import QueuedWrites
 from .remote import RemoteBuffer
 from .sharded_reads import ShardedReads
 from .sharding import (
@@ -60,7 +56,7 @@ if TYPE_CHECKING:
     from .sharded import ShardedClient
 
 
-class ShardedBuffer(ShardedReads, ConfiguredBuffer):
+class ShardedBuffer(ShardedReads, QueuedWrites, ConfiguredBuffer):
     """The buffer ``name`` on every shard of ``client`` (shard ``i`` with ``configs[i]``).
 
     ``owner``: this handle's create made it, so :meth:`close` deletes it on
@@ -78,16 +74,10 @@ class ShardedBuffer(ShardedReads, ConfiguredBuffer):
                         for shard_client, config in zip(client.clients, configs)]
         self._home = client.next_shard()
         self._lock = threading.Lock()
-        self._closed = False
-        self._batcher: PushBatcher | None = None
         self._beta: float | None = None  # the last set_beta: down shards get it once back
 
     def __reduce__(self):
         return (ShardedBuffer, (self._client, self.name, self.shard_configs))
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     @property
     def shard(self) -> int:
@@ -123,56 +113,6 @@ class ShardedBuffer(ShardedReads, ConfiguredBuffer):
         return infos
 
     # ---- writes ---------------------------------------------------------------------------
-
-    def push(self, record: Mapping[str, Any], priority: float | None = None, *,
-             episode: int | None = None, updates: Any = None,
-             timeout: float | None = None) -> None:
-        """Queue one record for the next batch of this handle's shard (as
-        :meth:`RemoteBuffer.push`: sent at once with a priority, a timeout or
-        episode updates)."""
-        self._check_open()
-        timeout = check_timeout(timeout)
-        ids = check_push_episodes(self.config, episode, 1)
-        checked = check_updates(self.config, updates) if updates else None
-        limit = self._client.push_batch_size
-        if priority is not None or timeout is not None or checked or limit <= 1:
-            self._check_priorities_allowed(priority)
-            prios = None if priority is None else check_priorities([priority], 1)
-            batch = self.schema.coerce_record(record)
-            self.flush()
-            self._send(1, batch, prios, timeout, ids, checked)
-            return
-        if self._batcher is None:
-            schema = with_episode_column(self.schema) if self.config.episodes else self.schema
-            fits = max(1, (self._client.max_message_bytes - FRAMING_BYTES) // schema.record_nbytes)
-            self._batcher = PushBatcher(schema, self._send_batch, min(limit, fits),
-                                        self._client.push_max_delay)
-        self._batcher.add(record if ids is None else {**record, EPISODE_COLUMN: ids[0]})
-
-    def push_batch(self, columns: Mapping[str, Any], priorities: Any = None, *,
-                   episodes: Any = None, updates: Any = None,
-                   timeout: float | None = None) -> int:
-        """Store a batch on this handle's shard, whole (with its episode ids and
-        updates: an episode written through one handle stays on one shard)."""
-        self._check_open()
-        timeout = check_timeout(timeout)
-        n, batch = self.schema.coerce_batch(columns)
-        ids = check_push_episodes(self.config, episodes, n)
-        checked = check_updates(self.config, updates) if updates else None
-        self._check_priorities_allowed(priorities)
-        prios = None if priorities is None else check_priorities(priorities, n)
-        self.flush()
-        self._send(n, batch, prios, timeout, ids, checked)
-        return n
-
-    def flush(self) -> None:
-        """Return once every record queued by ``push`` is stored."""
-        if self._batcher is not None:
-            self._batcher.flush()
-
-    def _send_batch(self, columns: dict[str, np.ndarray]) -> None:
-        ids = columns.pop(EPISODE_COLUMN, None)
-        self._send(len(next(iter(columns.values()))), columns, None, None, ids)
 
     def _send(self, n: int, batch: dict[str, np.ndarray], priorities: np.ndarray | None,
               timeout: float | None, episodes: np.ndarray | None = None,
@@ -227,10 +167,6 @@ class ShardedBuffer(ShardedReads, ConfiguredBuffer):
         _, errors = self._client.fan_out(self._client.live(),
                                          lambda s: self.remotes[s].set_beta(beta))
         raise_answered(errors)
-
-    def _check_priorities_allowed(self, priorities: Any) -> None:
-        if priorities is not None and self.config.prioritized is None:
-            raise InvalidArgumentError("priorities are for prioritized buffers; this one is uniform")
 
     # ---- reads ------------------------------------------------------------------------------
 
@@ -347,13 +283,6 @@ class ShardedBuffer(ShardedReads, ConfiguredBuffer):
 
     # ---- lifecycle -----------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Flush; then delete the buffer on every shard if this handle created it, else release."""
-        if self.owner:
-            self.delete()
-        else:
-            self.release()
-
     def delete(self) -> None:
         """Flush queued pushes, then delete the buffer on every shard. Idempotent."""
         if self._closed:
@@ -371,16 +300,3 @@ class ShardedBuffer(ShardedReads, ConfiguredBuffer):
         if errors:
             raise errors[min(errors)]
         self._closed = True
-
-    def release(self) -> None:
-        """Flush queued pushes and stop using this handle; the shards keep the buffer."""
-        if not self._closed:
-            try:
-                if self._batcher is not None:
-                    self._batcher.close()
-            finally:
-                self._closed = True
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosedError(f"buffer {self.name!r} was closed")
