@@ -42,7 +42,7 @@ from millpond.core import BufferConfig, Prioritized, Schema, TieredBuffer  # noq
 from bench_episodes import section as episodes_section  # noqa: E402
 from bench_learner import section as learner_section  # noqa: E402
 from bench_sharded import sharded_section  # noqa: E402
-from grpc_limits import grpc_limits_section  # noqa: E402
+from grpc_limits import call_rate, grpc_limits_section  # noqa: E402
 from support import ServerProcess  # noqa: E402
 
 import larger_than_memory  # noqa: E402
@@ -118,25 +118,9 @@ class NumpyRing:
 
 def timed_rate(fn, items_per_call: int, seconds: float, threads: int = 1, repeats: int = 3) -> float:
     """Median items/s over ``repeats`` runs of about ``seconds``, ``threads`` callers each."""
-    rates = []
     fn()  # warm up
-    for _ in range(repeats):
-        counts = [0] * threads
-        start = time.perf_counter()
-        deadline = start + seconds
-
-        def caller(i: int) -> None:
-            while time.perf_counter() < deadline:
-                fn()
-                counts[i] += 1
-
-        workers = [threading.Thread(target=caller, args=(i,)) for i in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        rates.append(sum(counts) * items_per_call / (time.perf_counter() - start))
-    return statistics.median(rates)
+    return statistics.median(call_rate(fn, seconds, threads) * items_per_call
+                             for _ in range(repeats))
 
 
 def measure(w: Workload, push, sample, seconds: float, threads: int = 1) -> tuple[float, float]:

@@ -127,7 +127,7 @@ def disk_write_rate(directory: Path, nbytes: int) -> float:
 # ---- the section ------------------------------------------------------------------------
 
 
-def _rate(fn: Callable[[], object], seconds: float, threads: int = 1) -> float:
+def call_rate(fn: Callable[[], object], seconds: float, threads: int = 1) -> float:
     """Calls/s of ``fn`` over about ``seconds``, ``threads`` callers."""
     counts = [0] * threads
     start = time.perf_counter()
@@ -196,8 +196,8 @@ def grpc_limits_section(address: str, workloads: list, tmp: Path, seconds: float
         for row, call, units, bare_call, bare_units, threads, secs in plan:
             ours, limits, ratios = [], [], []
             for _ in range(TURNS):
-                ours.append(_rate(call, secs, threads) * units)
-                limit = max(_rate(lambda b=b: bare_call(b), secs / 2, threads) * bare_units
+                ours.append(call_rate(call, secs, threads) * units)
+                limit = max(call_rate(lambda b=b: bare_call(b), secs / 2, threads) * bare_units
                             for b in bares)
                 limits.append(limit)
                 ratios.append(ours[-1] / limit)
