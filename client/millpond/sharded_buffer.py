@@ -186,12 +186,19 @@ class ShardedBuffer(ShardedReads, QueuedWrites, ConfiguredBuffer):
         infos = self._live_infos()
         if self.config.removes:
             return self._pop(k, timeout, infos)
+        return self._draw_records(k, seed, infos, lambda s, count, sd: self.remotes[s].sample(
+            count, sd, timeout=timeout, **options), bool(options))
+
+    def _draw_records(self, k: int, seed: int | None, infos: dict[int, BufferInfo],
+                      fetch: Callable[[int, int, int | None], dict[str, np.ndarray]],
+                      shed_short: bool) -> dict[str, np.ndarray]:
+        """:meth:`_draw` of ``k`` records as one buffer's ``sample`` draws them: at most
+        the records held (NotEnoughDataError, without a rate limiter, for more)."""
         sizes = {s: i.size for s, i in infos.items()}
         limited = self.config.rate_limiter is not None
         if not limited and k > sum(sizes.values()):
             raise NotEnoughDataError(f"batch_size {k} > buffer len {sum(sizes.values())}")
-        return self._draw(k, seed, infos, lambda s, count, sd: self.remotes[s].sample(
-            count, sd, timeout=timeout, **options), None if limited else sizes, bool(options))
+        return self._draw(k, seed, infos, fetch, None if limited else sizes, shed_short)
 
     def _live_infos(self) -> dict[int, BufferInfo]:
         """:meth:`_infos`, or ServerUnavailableError if no shard answers."""

@@ -65,6 +65,7 @@ class ShardedReads:
     flush: Callable[[], None]
     _live_infos: Callable[[], dict[int, BufferInfo]]
     _draw: Callable[..., dict[str, np.ndarray]]
+    _draw_records: Callable[..., dict[str, np.ndarray]]
 
     def update_episodes(self, updates: Any) -> None:
         """Apply ``(episode id, meta, end)`` updates on this handle's shard (where its
@@ -128,11 +129,7 @@ class ShardedReads:
         if draws == "starts":
             return self._draw(k, seed, infos, fetch, shed_short=True)
         if draws == "records":
-            sizes = {s: i.size for s, i in infos.items()}
-            limited = self.config.rate_limiter is not None
-            if not limited and k > sum(sizes.values()):
-                raise NotEnoughDataError(f"batch_size {k} > buffer len {sum(sizes.values())}")
-            return self._draw(k, seed, infos, fetch, None if limited else sizes, shed_short=True)
+            return self._draw_records(k, seed, infos, fetch, True)
         masses = {s: float(i.episodes) for s, i in infos.items()}
         if not any(masses.values()):
             raise NotEnoughDataError("no complete episode to sample (on any live shard)")
