@@ -10,6 +10,7 @@ import functools
 import math
 import operator
 from dataclasses import dataclass
+from collections import abc
 from typing import Any, Mapping
 
 import numpy as np
@@ -104,11 +105,17 @@ class Schema:
         names = [f.name for f in fields]
         if len(set(names)) != len(names):
             raise InvalidConfigError(f"duplicate field names in {names}")
-        if sum(f.nbytes for f in fields) > MAX_RECORD_BYTES:
+        record_nbytes = sum(f.nbytes for f in fields)
+        if record_nbytes > MAX_RECORD_BYTES:
             raise InvalidConfigError(f"a record may have at most {MAX_RECORD_BYTES:,} bytes")
         self.fields: tuple[Field, ...] = tuple(fields)
         self._by_name = {f.name: f for f in fields}
-        self._hash = hash(tuple(self.spec().items()))
+        # Computed once: hot paths (every push and sample, and the caches keyed
+        # by schema, which compare equal schemas) ask for these on each call.
+        self.names: tuple[str, ...] = tuple(names)
+        self.record_nbytes: int = record_nbytes  # payload bytes of one record
+        self._key = tuple(self.spec().items())
+        self._hash = hash(self._key)
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> "Schema":
@@ -147,15 +154,6 @@ class Schema:
         """The inverse of :meth:`from_spec` (dtype as a string)."""
         return {f.name: f.spec() for f in self.fields}
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.fields)
-
-    @property
-    def record_nbytes(self) -> int:
-        """Payload bytes of one record."""
-        return sum(f.nbytes for f in self.fields)
-
     def __getitem__(self, name: str) -> Field:
         return self._by_name[name]
 
@@ -163,7 +161,7 @@ class Schema:
         return iter(self.fields)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Schema) and self.spec() == other.spec()
+        return self is other or (isinstance(other, Schema) and self._key == other._key)
 
     def __hash__(self) -> int:
         return self._hash
@@ -202,8 +200,10 @@ class Schema:
         return {f.name: check_value(f, record[f.name])[np.newaxis] for f in self.fields}
 
     def _check_names(self, columns: Mapping[str, Any]) -> None:
-        if not isinstance(columns, Mapping):
+        if not isinstance(columns, abc.Mapping):
             raise FieldMismatchError("a batch must be a mapping of field name -> array")
+        if columns.keys() == self._by_name.keys():  # the usual case, in one comparison
+            return
         missing = [n for n in self.names if n not in columns]
         extra = [n for n in columns if n not in self._by_name]
         if missing or extra:
@@ -215,8 +215,9 @@ class Schema:
         lengths = set()
         for f in self.fields:
             arr = arrays[f.name]
-            if arr.ndim == 1 + len(f.shape) and arr.shape[1:] == f.shape:
-                lengths.add(arr.shape[0])
+            shape = arr.shape
+            if shape[1:] == f.shape and len(shape) == 1 + len(f.shape):
+                lengths.add(shape[0])
             elif arr.ndim == 1 and arr.size % f.size == 0:
                 lengths.add(arr.size // f.size)
             else:
@@ -269,12 +270,14 @@ def _fit(field: Field, arr: np.ndarray, n: int) -> np.ndarray:
     fields take any bool/int/float; integer fields take bools and integers
     whose values fit. Floats into integer fields are refused.
     """
-    arr = arr.reshape((n,) + field.shape)
+    full = (n, *field.shape)
+    if arr.shape != full:  # flat [n * size]
+        arr = arr.reshape(full)
     src, dst = arr.dtype, field.dtype
     if src == dst:
         # A bool array made from raw bytes (the wire, shared memory) may hold
         # 2..255: store what numpy means by it, True, as 1.
-        if dst.kind == "b" and arr.size and arr.view(np.uint8).max() > 1:
+        if dst.kind == "b" and arr.size and _max_byte(arr.view(np.uint8)) > 1:
             return arr != 0
         return arr
     if dst.kind == "b":
@@ -284,6 +287,9 @@ def _fit(field: Field, arr: np.ndarray, n: int) -> np.ndarray:
     if src.kind in "ui" and (arr.size == 0 or _ints_fit(arr, dst)):
         return arr.astype(dst)
     raise DTypeMismatchError(f"field {field.name!r}: cannot store {src} as {dst} without loss")
+
+
+_max_byte = functools.partial(np.maximum.reduce, axis=None)  # ndarray.max without its wrapper
 
 
 def _ints_fit(arr: np.ndarray, dtype: np.dtype) -> bool:

@@ -64,6 +64,9 @@ CLIENT_SPIN = float(os.environ.get("MILLPOND_SHM_SPIN_US", "300")) * 1e-6
 SERVER_SPIN = float(os.environ.get("MILLPOND_SHM_SERVER_SPIN_US", "100")) * 1e-6
 
 _CLASSES = error_classes()
+# Made once: json.dumps with separators would build an encoder per message.
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+_decode = json.JSONDecoder().decode
 
 
 def _align(n: int) -> int:
@@ -150,7 +153,7 @@ def read_boot_id() -> str:
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
-    data = json.dumps(message, separators=(",", ":")).encode()
+    data = _encode(message).encode()
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     sock.sendmsg([data], ancillary)
 
@@ -189,7 +192,7 @@ def recv(sock: socket.socket, spin: float = 0.0) -> tuple[dict[str, Any] | None,
     try:
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             raise InvalidArgumentError("fast-path message or its fds were truncated")
-        message = json.loads(data)
+        message = _decode(data.decode())
         if not isinstance(message, dict):
             raise InvalidArgumentError("fast-path message is not a JSON object")
     except (ValueError, RecursionError, InvalidArgumentError) as exc:

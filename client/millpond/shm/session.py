@@ -207,7 +207,7 @@ class ShmSession:
         (``weights``, ``indices``) after the columns; they are returned if the
         server wrote them. ``filter_meta``: checked meta values (episodic buffers).
         """
-        _, _, size = protocol.sample_layout(schema, batch_size, extras)
+        size = protocol.sample_layout(schema, batch_size, extras)[2]
         message = {"op": "sample", "buffer": buffer, "offset": 0, "batch_size": batch_size,
                    "seed": seed, "timeout": timeout}
         if filter_meta:
@@ -215,8 +215,9 @@ class ShmSession:
         with self._lock:
             self._set_deadline(deadline)
             segment = self._free_result_segment(size)
+            message["segment"] = segment.id
             try:
-                reply, _ = self._request({**message, "segment": segment.id})
+                reply, _ = self._request(message)
             except BaseException:
                 segment.free = True
                 raise
@@ -225,14 +226,11 @@ class ShmSession:
         spans, extra_spans, total = protocol.sample_layout(schema, batch_size, bool(written))
         base = np.frombuffer(segment.mm, np.uint8, total)
         weakref.finalize(base, _mark_free, segment)
-        result = {
-            f.name: base[spans[f.name][0] : spans[f.name][0] + spans[f.name][1]]
-            .view(f.dtype).reshape((batch_size, *f.shape))
-            for f in schema
-        }
+        result = {f.name: np.ndarray((batch_size, *f.shape), f.dtype, base, spans[f.name][0])
+                  for f in schema}
         for name in written:
-            start, nbytes = extra_spans[name]
-            result[name] = base[start : start + nbytes].view(protocol.SAMPLE_EXTRAS[name])
+            result[name] = np.ndarray(batch_size, protocol.SAMPLE_EXTRAS[name], base,
+                                      extra_spans[name][0])
         return result
 
     # ---- episodic samples and reads: results of shapes known before the call ---------
