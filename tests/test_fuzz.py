@@ -106,6 +106,16 @@ def test_hostile_bytes_on_every_method_get_client_errors(daemon, method, body):
     assert daemon.proc.poll() is None
 
 
+@pytest.mark.parametrize("fields", [[""], ["nope"], ["x", "x"]])
+def test_read_of_fields_the_buffer_lacks_is_invalid_argument(daemon, fields):
+    # Found by the fuzz above: the reply was sized from the names before they were checked.
+    with grpc.insecure_channel(daemon.address) as channel:
+        with pytest.raises(grpc.RpcError) as raised:
+            pb_grpc.ReplayStub(channel).Read(pb.ReadRequest(name="target", seqs=[0],
+                                                            fields=fields), timeout=10)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+
+
 def valid_episodic() -> dict[str, bytes]:
     """A valid request of each episodic call on the episodic target, to mutate."""
     meta = pb.Batch(columns=[pb.Column(name="task", dtype="<i8", shape=[],

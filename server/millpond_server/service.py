@@ -31,6 +31,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from millpond.core import Schema, TieredBuffer
+from millpond.core.episodic import check_fields
 from millpond.core.sequences import episodic_reply_nbytes
 from millpond.errors import InvalidArgumentError, MessageTooLargeError
 from millpond.shm.protocol import read_boot_id
@@ -257,8 +258,8 @@ class ReplayService:
 
     @_rpc
     async def Read(self, request: pb.ReadRequest, context) -> bytes:
-        names = list(request.fields) or None
         buffer = self.ops.registry.get(request.name)
+        names = check_fields(buffer.config, list(request.fields) or None)  # before sizing them
         nbytes = self._check_reply(episodic_reply_nbytes(
             buffer.config, "read", len(request.seqs),
             {"fields": names, "episode_ids": request.episode_ids}), "read")
