@@ -263,21 +263,21 @@ class FastPathSession(threading.Thread):
         offset = message.get("offset")
         extras = buffer.config.prioritized is not None
         spans, extra_spans, total = protocol.sample_layout(buffer.schema, batch_size, extras)
-        req.segment_view(mm, offset, np.dtype(np.uint8), total, "sample", protocol.ALIGN)
-        key = (message["segment"], offset, batch_size, name, buffer.schema)
+        req.check_span(mm, offset, total, protocol.ALIGN, "sample")
+        key = (message["segment"], offset, batch_size, name, buffer.schema, extras)
         views = self._sample_views.get(key)
         if views is None:  # learners repeat the same request shape: build views once
             if len(self._sample_views) >= 64:
                 self._sample_views.clear()
             views = self._sample_views[key] = (
-                {f.name: np.frombuffer(mm, f.dtype, batch_size * f.size, offset + spans[f.name][0])
-                 .reshape((batch_size, *f.shape)) for f in buffer.schema},
-                {key: np.frombuffer(mm, protocol.SAMPLE_EXTRAS[key], batch_size, offset + start)
+                {f.name: np.ndarray((batch_size, *f.shape), f.dtype, mm, offset + spans[f.name][0])
+                 for f in buffer.schema},
+                {key: np.ndarray(batch_size, protocol.SAMPLE_EXTRAS[key], mm, offset + start)
                  for key, (start, _) in extra_spans.items()},
             )
         out, extra_views = views
         filter_meta = message.get("filter_meta")
-        result = self._admit(message, self.ops.sample, name, batch_size, seed, out, None,
+        result = self._admit(message, self.ops.sample, name, batch_size, seed, out, buffer,
                              filter_meta)
         # Weights and indices are small new arrays: one copy each into the segment.
         written = [key for key in extra_views if key in result]
@@ -330,9 +330,7 @@ class FastPathSession(threading.Thread):
         if views is None:
             mm = req.mapped(self.result_segments, key[0])
             _, total = protocol.spec_layout(specs)
-            offset = key[1]
-            req.segment_view(mm, offset, np.dtype(np.uint8), total, message["op"], protocol.ALIGN)
-            assert isinstance(offset, int)  # checked by segment_view
+            offset = req.check_span(mm, key[1], total, protocol.ALIGN, message["op"])
             if len(self._sample_views) >= 64:
                 self._sample_views.clear()
             views = self._sample_views[key] = (protocol.spec_views(mm, offset, specs), {})

@@ -2,7 +2,7 @@
 
 Every field of a request is checked before it is used: offsets, lengths,
 dtypes and shapes against the segment and the buffer's schema
-(:func:`segment_view`), counts, names, segment ids. A bad field raises
+(:func:`check_span`, :func:`segment_view`), counts, names, segment ids. A bad field raises
 InvalidArgumentError; the session replies with it and keeps serving.
 """
 
@@ -17,18 +17,22 @@ from millpond.core.schema import Schema
 from millpond.errors import InvalidArgumentError
 
 
-def segment_view(mm: mmap.mmap, offset: Any, dtype: np.dtype, count: int, what: str,
-                 align: int | None = None) -> np.ndarray:
-    """The ``count`` items of ``dtype`` at ``offset`` in a segment, after checking that
-    ``offset`` is a non-negative int, aligned (to the item size, or ``align``),
-    and that the bytes fit the segment. A view: copy what must not change."""
-    nbytes = count * dtype.itemsize
-    align = align or dtype.itemsize
+def check_span(mm: mmap.mmap, offset: Any, nbytes: int, align: int, what: str) -> int:
+    """``offset``, after checking that it is a non-negative int, a multiple of ``align``,
+    and that ``nbytes`` from it fit the segment."""
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 \
             or offset % align or offset + nbytes > len(mm):
         raise InvalidArgumentError(
             f"{what}: {nbytes:,} bytes at offset {offset!r} do not fit the "
             f"{len(mm):,}-byte segment")
+    return offset
+
+
+def segment_view(mm: mmap.mmap, offset: Any, dtype: np.dtype, count: int, what: str
+                 ) -> np.ndarray:
+    """The ``count`` items of ``dtype`` at ``offset`` in a segment, after
+    :func:`check_span` (aligned to the item size). A view: copy what must not change."""
+    offset = check_span(mm, offset, count * dtype.itemsize, dtype.itemsize, what)
     return np.frombuffer(mm, dtype, count, offset)
 
 

@@ -13,7 +13,7 @@ listener, served by one server thread: one request in flight at a time
 
 Sample results never change under the caller's feet: a result segment
 returns to the pool only when every array viewing it has been garbage
-collected (a finalizer on the arrays' common base). Results are writable;
+collected (a weak reference to the arrays' common base). Results are writable;
 writes stay private to this process, and a reused segment first drops any
 privately written pages (``MADV_DONTNEED``), so it shows the server's new data.
 """
@@ -51,6 +51,18 @@ class _ResultSegment:
     mm: mmap.mmap
     free: bool = True
     used: bool = False  # ever handed out: may hold private (written) pages
+    _result: weakref.ref | None = None  # the base of the arrays handed out
+
+    def hand_out(self, size: int) -> np.ndarray:
+        """The base array of a result's arrays: the segment is free again once it is collected."""
+        base = np.frombuffer(self.mm, np.uint8, size)
+        self._result = weakref.ref(base, self._returned)
+        return base
+
+    def _returned(self, _: weakref.ref) -> None:
+        # Runs in whichever thread drops the last array: a plain attribute store
+        # (atomic under the GIL), never a lock the sampling thread may hold.
+        self.free = True
 
 
 class ShmSession:
@@ -224,8 +236,7 @@ class ShmSession:
         # Laid out as the server did it (it checked that this fits the segment).
         written = reply.get("extras") or []
         spans, extra_spans, total = protocol.sample_layout(schema, batch_size, bool(written))
-        base = np.frombuffer(segment.mm, np.uint8, total)
-        weakref.finalize(base, _mark_free, segment)
+        base = segment.hand_out(total)
         result = {f.name: np.ndarray((batch_size, *f.shape), f.dtype, base, spans[f.name][0])
                   for f in schema}
         for name in written:
@@ -265,8 +276,7 @@ class ShmSession:
         except BaseException:
             segment.free = True
             raise
-        base = np.frombuffer(segment.mm, np.uint8, size)
-        weakref.finalize(base, _mark_free, segment)
+        base = segment.hand_out(size)
         return protocol.spec_views(base, 0, specs)
 
     def _free_result_segment(self, size: int) -> _ResultSegment:
@@ -330,8 +340,3 @@ def _close_quietly(mm: mmap.mmap) -> None:
     except BufferError:
         pass  # a view (e.g. in a traceback) is still alive: the map goes when it does
 
-
-def _mark_free(segment: _ResultSegment) -> None:
-    # Runs in whichever thread drops the last array: a plain attribute store
-    # (atomic under the GIL), never a lock the sampling thread may hold.
-    segment.free = True

@@ -14,10 +14,9 @@ again before the next call.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import Counter
-from typing import Any, Iterator
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
@@ -27,6 +26,8 @@ from ..core.sequences import n_step_specs, read_specs, sequence_specs
 from ..errors import SharedMemoryError
 from . import protocol
 from .session import ShmSession
+
+T = TypeVar("T")
 
 MAX_IDLE_SESSIONS = 4
 
@@ -55,8 +56,9 @@ class ShmTransport:
     def _open(self, deadline: float) -> ShmSession:
         return ShmSession(self._socket_name, self._uid, deadline, self.served, self._hello)
 
-    @contextlib.contextmanager
-    def _session(self, deadline: float) -> Iterator[ShmSession]:
+    def _on_session(self, deadline: float, call: Callable[[ShmSession], T]) -> T:
+        """``call(session)`` on an idle session (or a new one), which is then put back
+        (or closed, if it broke). A plain try/finally: this runs on every call."""
         with self._lock:
             session = self._idle.pop() if self._idle else None
         if session is None:
@@ -66,7 +68,7 @@ class ShmTransport:
                 self.stale = True
                 raise SharedMemoryError(f"cannot open another fast-path session: {exc}") from exc
         try:
-            yield session
+            return call(session)
         finally:
             if session.broken:
                 self.stale = self.stale or session.lost
@@ -80,15 +82,14 @@ class ShmTransport:
     def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
                    priorities: np.ndarray | None, timeout: float, deadline: float,
                    updates: list | None = None) -> None:
-        with self._session(deadline) as session:
-            session.push_batch(buffer, schema, n, columns, priorities, timeout, deadline, updates)
+        self._on_session(deadline, lambda session: session.push_batch(
+            buffer, schema, n, columns, priorities, timeout, deadline, updates))
 
     def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
                extras: bool, timeout: float, deadline: float,
                filter_meta: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        with self._session(deadline) as session:
-            return session.sample(buffer, schema, batch_size, seed, extras, timeout, deadline,
-                                  filter_meta)
+        return self._on_session(deadline, lambda session: session.sample(
+            buffer, schema, batch_size, seed, extras, timeout, deadline, filter_meta))
 
     def sample_sequences(self, buffer: str, config: BufferConfig, batch_size: int,
                          filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
@@ -109,25 +110,24 @@ class ShmTransport:
                   specs: protocol.Specs, timeout: float, deadline: float) -> dict[str, np.ndarray]:
         message = {"op": op, "buffer": buffer, "batch_size": batch_size, "timeout": timeout,
                    "filter_meta": protocol.encode_filter(filter_meta), **params}
-        with self._session(deadline) as session:
-            return session.into_result(message, specs, deadline)
+        return self._on_session(deadline,
+                                lambda session: session.into_result(message, specs, deadline))
 
     def read(self, buffer: str, config: BufferConfig, seqs: np.ndarray, names: list[str] | None,
              deadline: float, positions: bool = False, episode_ids: bool = False
              ) -> dict[str, np.ndarray]:
         specs = read_specs(config, len(seqs), names, episode_ids)
-        with self._session(deadline) as session:
-            return session.read(buffer, seqs, names, specs, deadline,
-                                {"positions": positions, "episode_ids": episode_ids})
+        flags = {"positions": positions, "episode_ids": episode_ids}
+        return self._on_session(deadline, lambda session: session.read(
+            buffer, seqs, names, specs, deadline, flags))
 
     def update_priorities(self, buffer: str, indices: np.ndarray, priorities: np.ndarray,
                           deadline: float) -> int:
-        with self._session(deadline) as session:
-            return session.update_priorities(buffer, indices, priorities, deadline)
+        return self._on_session(deadline, lambda session: session.update_priorities(
+            buffer, indices, priorities, deadline))
 
     def set_beta(self, buffer: str, beta: float, deadline: float) -> None:
-        with self._session(deadline) as session:
-            session.set_beta(buffer, beta, deadline)
+        self._on_session(deadline, lambda session: session.set_beta(buffer, beta, deadline))
 
     def close(self) -> None:
         """Close the idle sessions (those in use close when their call ends)."""
