@@ -109,6 +109,7 @@ def test_hostile_bytes_on_every_method_get_client_errors(daemon, method, body):
 @pytest.mark.parametrize("fields", [[""], ["nope"], ["x", "x"]])
 def test_read_of_fields_the_buffer_lacks_is_invalid_argument(daemon, fields):
     # Found by the fuzz above: the reply was sized from the names before they were checked.
+    target(daemon.address)  # (the fuzz may have closed it)
     with grpc.insecure_channel(daemon.address) as channel:
         with pytest.raises(grpc.RpcError) as raised:
             pb_grpc.ReplayStub(channel).Read(pb.ReadRequest(name="target", seqs=[0],
@@ -226,6 +227,25 @@ def test_hostile_fast_path_requests_get_typed_errors_and_keep_no_fd(daemon, sess
     assert reply is not None, "the session was closed"
     if not reply.get("ok"):
         assert reply["code"] not in ("INTERNAL", "REPLAY_ERROR"), (message, reply)
+    assert daemon.proc.poll() is None
+
+
+BINARY_SAMPLE = protocol.encode({"op": "sample", "buffer": "target", "segment": 1, "offset": 0,
+                                 "batch_size": 2, "seed": 3, "timeout": 0.0})
+BINARY = st.one_of(mutated(BINARY_SAMPLE), st.binary(max_size=80).map(lambda b: b"\x01" + b),
+                   st.binary(max_size=4).map(lambda b: b"\x02" + b)).filter(bool)  # b"": hang-up
+
+
+@FUZZ
+@given(data=BINARY)
+def test_hostile_binary_fast_path_messages_get_typed_errors(daemon, session, data):
+    assert BINARY_SAMPLE[:1] == b"\x01"  # the binary form, not JSON
+    session.sendmsg([data])
+    reply, reply_fds = protocol.recv(session)
+    protocol.close_fds(reply_fds)
+    assert reply is not None, "the session was closed"
+    if not reply.get("ok"):
+        assert reply["code"] not in ("INTERNAL", "REPLAY_ERROR"), (data, reply)
     assert daemon.proc.poll() is None
 
 

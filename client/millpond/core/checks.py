@@ -22,12 +22,12 @@ def is_integral(value: object) -> TypeGuard[int]:
     ``isinstance`` on an ``int`` argument makes the code after it unreachable
     to the type checker, and the ``numbers`` stubs lack most comparisons.
     """
-    return isinstance(value, numbers.Integral)
+    return type(value) is int or isinstance(value, numbers.Integral)  # the usual case first
 
 
 def is_real(value: object) -> TypeGuard[float]:
     """``isinstance(value, numbers.Real)`` (bool, ints and numpy numbers included)."""
-    return isinstance(value, numbers.Real)
+    return type(value) is float or type(value) is int or isinstance(value, numbers.Real)
 
 
 def check_batch_size(batch_size: Any) -> int:
