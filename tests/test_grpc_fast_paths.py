@@ -130,6 +130,24 @@ def test_a_reply_filled_in_place_is_the_encoded_reply(columns):
     assert frame.nbytes == len(reply)
 
 
+@given(st.dictionaries(st.sampled_from(["obs", "a", "reward"]),
+    DTYPES.flatmap(lambda dt: hnp.arrays(np.dtype(dt), hnp.array_shapes(
+        min_dims=1, max_dims=3, min_side=0, max_side=4))), max_size=4))
+def test_a_reused_reply_is_the_encoded_reply_each_time_and_one_per_thread(columns):
+    frame = BatchFrame(SAMPLE_BATCH_FIELD, [(k, v.dtype, v.shape) for k, v in columns.items()])
+    for fill in (0, 1):  # filled again: every byte of the slots is the new data's
+        message, slots = frame.reused()
+        for name, arr in columns.items():
+            slots[name][...] = arr if fill else np.ones_like(arr)
+        expected = columns if fill else {k: np.ones_like(v) for k, v in columns.items()}
+        assert bytes(message) == encode_with_batch(SAMPLE_BATCH_FIELD, expected)
+    others = []
+    worker = threading.Thread(target=lambda: others.append(frame.reused()[0]))
+    worker.start()
+    worker.join()
+    assert others[0] is not message and frame.reused()[0] is message
+
+
 def test_new_bytes_never_hands_out_a_shared_object():
     for n in (0, 1):
         raw, view = new_bytes(n)

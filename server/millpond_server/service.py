@@ -53,6 +53,7 @@ from .operations import INLINE_BYTES, Operations, wait_budget
 from .registry import check_name
 
 SERVICE_NAME = "millpond.v1.Replay"
+REUSED_REPLY_BYTES = 64 << 10  # sample replies up to this size are built in a reused buffer
 _METHODS = tuple(pb.DESCRIPTOR.services_by_name["Replay"].methods_by_name)
 # The role the running call authenticated as (each call runs in a task of its own).
 _ROLE: contextvars.ContextVar[str | None] = contextvars.ContextVar("millpond_role", default=None)
@@ -187,14 +188,16 @@ class ReplayService:
         if buffer.config.prioritized is not None or batch_size <= 0:  # weights, indices too
             return encode_with_batch(SAMPLE_BATCH_FIELD,
                                      self.ops.sample("", batch_size, seed, buffer=buffer))
-        # Gathered straight into the reply's bytes: the column data's one copy.
+        # Gathered straight into the reply: a large one's bytes (the column
+        # data's one copy), a small one's reused buffer (then copied once).
         # The engine fills every row of ``out`` (cold rows, then hot ones) and
         # returns those very arrays; anything else is encoded the plain way.
-        reply, columns = sample_reply_frame(buffer.schema, batch_size).new()
+        frame = sample_reply_frame(buffer.schema, batch_size)
+        reply, columns = frame.new() if frame.nbytes > REUSED_REPLY_BYTES else frame.reused()
         result = self.ops.sample("", batch_size, seed, columns, buffer=buffer)
         if result.keys() != columns.keys() or any(result[k] is not v for k, v in columns.items()):
             return encode_with_batch(SAMPLE_BATCH_FIELD, result)
-        return reply
+        return bytes(reply)  # the same object if it is bytes already
 
     @_rpc
     async def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest,
