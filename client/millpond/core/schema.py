@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from dataclasses import dataclass
 from collections import abc
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np

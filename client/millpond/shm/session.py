@@ -339,4 +339,3 @@ def _close_quietly(mm: mmap.mmap) -> None:
         mm.close()
     except BufferError:
         pass  # a view (e.g. in a traceback) is still alive: the map goes when it does
-
