@@ -300,16 +300,22 @@ class BufferFile:
         self.pushed, self.first, self.hot_lo = pushed, first, hot_lo
 
     def sync(self) -> None:
-        """Write dirty pages to disk and wait (msync).
+        """Write dirty pages to disk and wait.
+
+        ``fdatasync`` of the file, which on Linux is what ``msync(MS_SYNC)`` of
+        its one mapping does (``vfs_fsync_range``), but without the GIL:
+        CPython's ``mmap.flush`` holds it through the disk write, which froze
+        every thread of the daemon (the event loop, fast-path sessions) for as
+        long as a buffer's dirty pages took to write.
 
         Raises StorageIOError on failure: the kernel may already have dropped
         the pages it could not write, so a retry would report a false success.
         """
         if self._mm is not None:
             try:
-                self._mm.flush()
+                os.fdatasync(self._fd)
             except OSError as exc:
-                raise StorageIOError(f"msync of {self.path} failed: {exc}") from exc
+                raise StorageIOError(f"sync of {self.path} failed: {exc}") from exc
 
     def close(self, delete: bool) -> None:
         """Unmap and close; remove the file when ``delete``. Idempotent."""
