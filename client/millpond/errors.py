@@ -122,7 +122,7 @@ class SharedMemoryError(StorageFullError):
 
 
 class StorageIOError(ReplayError, OSError):
-    """Writing buffer data to disk failed (msync); the data may be lost. Not retryable."""
+    """Writing buffer data to disk failed (fdatasync); the data may be lost. Not retryable."""
 
     code = "STORAGE_IO"
 

@@ -196,9 +196,9 @@ def _recover_and_declare(registry: Registry, cfg: ServeConfig) -> None:
 
 
 class PeriodicSync(threading.Thread):
-    """``--sync interval``: msync every buffer every ``interval`` seconds.
+    """``--sync interval``: sync (fdatasync) every buffer every ``interval`` seconds.
 
-    A failed msync cannot be retried safely (the kernel may already have
+    A failed sync cannot be retried safely (the kernel may already have
     dropped the dirty pages it failed to write), so it stops the daemon at once.
     """
 

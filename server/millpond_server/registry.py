@@ -253,7 +253,7 @@ class Registry:
             return sorted(self._buffers.items())
 
     def sync_all(self) -> None:
-        """msync every buffer's file. An OSError here must stop the daemon."""
+        """Sync every buffer's file. An OSError here must stop the daemon."""
         for _, buffer in self.list():
             buffer.sync()
 

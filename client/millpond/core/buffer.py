@@ -47,7 +47,7 @@ class TieredBuffer(EpisodicReads, Contents, RateWaits, ConfiguredBuffer):
     its hot ring in the file too, so every acknowledged push survives a crash
     of the process; ``release()`` unmaps it and keeps the file, and
     :meth:`open` brings it back. ``sync_every_push`` makes each push wait for
-    its pages to reach the disk (msync) before it returns.
+    its pages to reach the disk (fdatasync) before it returns.
     Episodic buffers: see :class:`.episodic.EpisodicReads`; positions, contents and
     reset: :class:`.contents.Contents`.
 
@@ -352,7 +352,7 @@ class TieredBuffer(EpisodicReads, Contents, RateWaits, ConfiguredBuffer):
         self._shut(delete=not self.persistent)
 
     def sync(self) -> None:
-        """Write the file's dirty pages to disk and wait (msync)."""
+        """Write the file's dirty pages to disk and wait (see :meth:`BufferFile.sync`)."""
         with self._lock:
             if self._fifo.file is not None and not self._closed:
                 self._fifo.file.sync()

@@ -35,7 +35,7 @@ not know the key ignores it, so the format version is unchanged.
 The whole file is allocated with ``posix_fallocate`` at creation: a full disk
 fails there with :class:`StorageFullError` (the partial file is removed)
 instead of raising SIGBUS on a later write through the mapping. It is mapped
-once; nothing is remapped or msynced per sample.
+once; nothing is remapped or synced per sample.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class Fifo:
     """The live ranges ``[first, pushed)`` (hot from ``hot_lo``) and the tiers holding them.
 
     A *durable* FIFO (a persistent buffer) records every change of its ranges
-    in its file (:meth:`BufferFile.commit`); ``sync_every_push`` also msyncs
+    in its file (:meth:`BufferFile.commit`); ``sync_every_push`` also syncs
     each one. ``holes`` are live seqs that failed their checks at reopen:
     never served, gone once evicted.
     """
