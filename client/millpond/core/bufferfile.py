@@ -300,17 +300,10 @@ class BufferFile:
         self.pushed, self.first, self.hot_lo = pushed, first, hot_lo
 
     def sync(self) -> None:
-        """Write dirty pages to disk and wait.
-
-        ``fdatasync`` of the file, which on Linux is what ``msync(MS_SYNC)`` of
-        its one mapping does (``vfs_fsync_range``), but without the GIL:
-        CPython's ``mmap.flush`` holds it through the disk write, which froze
-        every thread of the daemon (the event loop, fast-path sessions) for as
-        long as a buffer's dirty pages took to write.
-
-        Raises StorageIOError on failure: the kernel may already have dropped
-        the pages it could not write, so a retry would report a false success.
-        """
+        """Write dirty pages to disk and wait: ``fdatasync``, what ``msync(MS_SYNC)`` of the
+        one mapping does on Linux, but without the GIL (``mmap.flush`` holds it through the
+        write, stalling every other thread). Raises StorageIOError on failure: the kernel
+        may have dropped the pages it could not write, so a retry could falsely succeed."""
         if self._mm is not None:
             try:
                 os.fdatasync(self._fd)
