@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import BufferClosedError, InvalidArgumentError, InvalidConfigError, NotEnoughDataError
 from .bufferfile import BufferFile
+from .fileops import sync_fd
 from .checks import check_batch_size, check_indices, check_priorities, check_seed, check_timeout
 from .config import BufferConfig, ConfiguredBuffer, check_exponent
 from .contents import Contents
@@ -352,10 +353,23 @@ class TieredBuffer(EpisodicReads, Contents, RateWaits, ConfiguredBuffer):
         self._shut(delete=not self.persistent)
 
     def sync(self) -> None:
-        """Write the file's dirty pages to disk and wait (see :meth:`BufferFile.sync`)."""
+        """Write the file's dirty pages to disk and wait. Everything acknowledged before the
+        call is on disk when it returns. Calls go on meanwhile: the write runs outside the
+        lock, on a duplicate fd (a Close meanwhile cannot pull it away). That is as safe as
+        the kernel's own write-back, which may also write pages of a later push before its
+        commit: the checks at reopen catch any record not wholly on disk."""
         with self._lock:
-            if self._fifo.file is not None and not self._closed:
-                self._fifo.file.sync()
+            file = self._fifo.file
+            if file is None or self._closed:
+                return
+            fd = file.sync_handle()
+            if fd is None:  # no fd to spare: sync here, holding the lock
+                file.sync()
+                return
+        try:
+            sync_fd(fd, file.path)
+        finally:
+            os.close(fd)
 
     def _shut(self, delete: bool) -> None:
         with self._lock:

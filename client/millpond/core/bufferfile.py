@@ -50,16 +50,12 @@ from typing import Mapping
 
 import numpy as np
 
-from ..errors import (
-    CorruptFileError,
-    FileConflictError,
-    InvalidConfigError,
-    StorageIOError,
-)
+from ..errors import CorruptFileError, FileConflictError, InvalidConfigError
 from .schema import Schema
 from .checksum import CHECKSUM_DTYPE
 from .memory import keep_resident
-from .fileops import CREATE_FLAGS, allocate, check_free_space, fsync_directory, unlink_quietly
+from .fileops import (CREATE_FLAGS, allocate, check_free_space, fsync_directory, sync_fd,
+                      unlink_quietly)
 from .coldio import TierFile
 from .tier import CHECKSUM_REGION, SEQ_DTYPE, SEQ_REGION, Tier
 
@@ -300,15 +296,17 @@ class BufferFile:
         self.pushed, self.first, self.hot_lo = pushed, first, hot_lo
 
     def sync(self) -> None:
-        """Write dirty pages to disk and wait: ``fdatasync``, what ``msync(MS_SYNC)`` of the
-        one mapping does on Linux, but without the GIL (``mmap.flush`` holds it through the
-        write, stalling every other thread). Raises StorageIOError on failure: the kernel
-        may have dropped the pages it could not write, so a retry could falsely succeed."""
+        """Write dirty pages to disk and wait (see :func:`sync_fd`)."""
         if self._mm is not None:
-            try:
-                os.fdatasync(self._fd)
-            except OSError as exc:
-                raise StorageIOError(f"sync of {self.path} failed: {exc}") from exc
+            sync_fd(self._fd, self.path)
+
+    def sync_handle(self) -> int | None:
+        """A duplicate of the file's fd for :func:`sync_fd` (the caller closes it), which
+        stays valid if the file is closed meanwhile; None if no fd is left to spare."""
+        try:
+            return os.dup(self._fd) if self._mm is not None else None
+        except OSError:
+            return None
 
     def close(self, delete: bool) -> None:
         """Unmap and close; remove the file when ``delete``. Idempotent."""
