@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import subprocess
+import tempfile
 
 import pytest
 
@@ -47,3 +48,13 @@ def small_fs(tmp_path):
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def private_tmpdir(tmp_path, monkeypatch):
+    """The test's temp dir as everyone's: Stable-Baselines3's logger makes an ``SB3-<time>``
+    directory in the system's temp dir on every ``learn()``, in this process and in the
+    examples it runs, which would pile up in /tmp run after run."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path

@@ -18,6 +18,8 @@ pytest.importorskip("gymnasium")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
+pytestmark = pytest.mark.usefixtures("private_tmpdir")  # SB3 logs go there
+
 
 def run(name: str, *args: str, timeout: float = 100) -> dict[str, float]:
     """Run an example; its last line's ``key=value`` pairs as floats."""

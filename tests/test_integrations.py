@@ -23,6 +23,8 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: 
 
 from millpond.integrations import sb3 as mp_sb3  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("private_tmpdir")  # SB3 logs go there
+
 _names = itertools.count()
 
 
