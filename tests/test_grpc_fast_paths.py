@@ -133,7 +133,7 @@ def test_a_reply_filled_in_place_is_the_encoded_reply(columns):
 @given(st.dictionaries(st.sampled_from(["obs", "a", "reward"]),
     DTYPES.flatmap(lambda dt: hnp.arrays(np.dtype(dt), hnp.array_shapes(
         min_dims=1, max_dims=3, min_side=0, max_side=4))), max_size=4))
-def test_a_reused_reply_is_the_encoded_reply_each_time_and_one_per_thread(columns):
+def test_a_reused_reply_is_the_encoded_reply_each_time_one_per_thread(columns):
     frame = BatchFrame(SAMPLE_BATCH_FIELD, [(k, v.dtype, v.shape) for k, v in columns.items()])
     for fill in (0, 1):  # filled again: every byte of the slots is the new data's
         message, slots = frame.reused()
@@ -146,6 +146,9 @@ def test_a_reused_reply_is_the_encoded_reply_each_time_and_one_per_thread(column
     worker.start()
     worker.join()
     assert others[0] is not message and frame.reused()[0] is message
+    # A thread keeps one message, of the last frame it used (memory bounded in bytes).
+    other = BatchFrame(SAMPLE_BATCH_FIELD, [("x", np.dtype("<f4"), (3,))])
+    assert other.reused()[0] is not message and frame.reused()[0] is not message
 
 
 def test_new_bytes_never_hands_out_a_shared_object():

@@ -54,6 +54,9 @@ def new_bytes(nbytes: int) -> tuple[bytes, np.ndarray]:
     return raw, np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
 
 
+_REUSED = threading.local()  # per thread: (frame, message, views) of BatchFrame.reused
+
+
 class BatchFrame:
     """A message whose one field ``batch_field`` is a Batch of ``columns`` (name, dtype
     and full shape each, little-endian dtypes), laid out once."""
@@ -77,7 +80,6 @@ class BatchFrame:
             self.slots.append((name, dtype, shape, pos, nbytes))
             pos += nbytes
         self.nbytes = pos
-        self._reused = threading.local()  # see reused()
 
     def new(self) -> tuple[bytes, dict[str, np.ndarray]]:
         """A new message: its bytes, framing written, and writable views of its column
@@ -89,13 +91,14 @@ class BatchFrame:
         """This thread's message of this frame, framed once and filled again on each
         call, and views of its slots: send ``bytes(message)``, a copy. For small
         messages, where one copy costs less than making a new message (a few
-        microseconds, more when that code runs cold between calls)."""
-        reused = getattr(self._reused, "message", None)
-        if reused is None:
+        microseconds, more when that code runs cold between calls). A thread keeps
+        one such message, of the last frame it used: memory stays bounded whatever
+        shapes callers ask for, and a learner repeating its request reuses it."""
+        held = getattr(_REUSED, "held", None)
+        if held is None or held[0] is not self:
             message = bytearray(self.nbytes)
-            reused = self._reused.message = (message, self._framed(np.frombuffer(message,
-                                                                                 np.uint8)))
-        return reused
+            held = _REUSED.held = (self, message, self._framed(np.frombuffer(message, np.uint8)))
+        return held[1], held[2]
 
     def _framed(self, buf: np.ndarray) -> dict[str, np.ndarray]:
         """Write the framing into ``buf``; return views of its column slots."""
