@@ -296,12 +296,20 @@ def test_health_is_not_serving_until_recovery_is_done_and_clients_wait_for_it(tm
     first call once the daemon is ready, within their timeout."""
     data = tmp_path / "data"
     data.mkdir()
-    big = engine(Schema.transition(4, 1), 1_000, 4_000_000, data / "big.buffer",
+    big = engine(Schema.transition(4, 1), 1_000, 8_000_000, data / "big.buffer",
                  persistent=True)
-    for i in range(20):  # 4M records: checking them takes a noticeable moment
+    for i in range(40):  # 8M records: checking them takes a noticeable moment
         big.push_batch(transitions(i * 200_000, 200_000, obs_dim=4))
     expected = big.sample(4, seed=0)
     big.release()
+    # Out of the page cache: recovery then reads the disk, for a window of NOT_SERVING
+    # long enough to be seen on a loaded machine (4M records from the cache: about 0.1 s).
+    fd = os.open(data / "big.buffer", os.O_RDONLY)
+    try:
+        os.fsync(fd)  # (dirty pages cannot be dropped)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
     with socketlib.socket() as probe:  # a free port, known before the daemon is ready
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -330,7 +338,8 @@ def test_health_is_not_serving_until_recovery_is_done_and_clients_wait_for_it(tm
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and "SERVING" not in seen:
                 try:
-                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=1,
+                                          wait_for_ready=True).status  # sent once connected
                     seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
                 except grpc.RpcError:
                     continue  # not listening yet
