@@ -17,7 +17,8 @@ memory per stored record against the record's payload bytes, what
 authentication costs: sample(256) over gRPC with a token and with TLS and a
 token, beside a daemon without either, and one buffer sharded over 1, 2 and 3
 daemons (bench_sharded.py). Episodic and learner-side sections: bench_episodes.py,
-bench_learner.py (epoch_iterator beside a numpy permutation-gather, device="cpu").
+bench_learner.py (epoch_iterator beside a numpy permutation-gather, device="cpu"),
+bench_contention.py (a learner's latency while an actor pushes).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import millpond  # noqa: E402
 from millpond.core import BufferConfig, Prioritized, Schema, TieredBuffer  # noqa: E402
+from bench_contention import section as contention_section  # noqa: E402
 from bench_episodes import section as episodes_section  # noqa: E402
 from bench_learner import section as learner_section  # noqa: E402
 from bench_sharded import sharded_section  # noqa: E402
@@ -450,6 +452,7 @@ def main() -> None:
             prioritized_shm_rows(server, args.quick, seconds)
             grpc_limits_section(server.address, workloads(args.quick), tmp, seconds, CALLERS)
             queue_section(server, seconds)
+            contention_section(server.address, workloads(args.quick), seconds)
             memory_figure(server, 100_000 if args.quick else 1_000_000)
             episodes_section(server.address, args.quick, seconds, timed_rate)
             learner_section(server.address, args.quick, seconds, timed_rate)
