@@ -399,6 +399,7 @@ def test_sigterm_during_traffic_exits_zero_and_cleans_up(tmp_path):
                     s = replay_pb2_grpc.ReplayStub(ch)
                     k = 0
                     while not stop.is_set():
+                        started = time.monotonic()
                         try:
                             push_batch(s, "busy", transitions(64, k))
                             sample(s, "busy", 32)
@@ -407,7 +408,7 @@ def test_sigterm_during_traffic_exits_zero_and_cleans_up(tmp_path):
                         except grpc.RpcError as exc:
                             if exc.code() not in (grpc.StatusCode.UNAVAILABLE,
                                                   grpc.StatusCode.CANCELLED):
-                                failures.append(exc)
+                                failures.append((started, exc))
                             return
 
             workers = [threading.Thread(target=traffic) for _ in range(3)]
@@ -418,10 +419,13 @@ def test_sigterm_during_traffic_exits_zero_and_cleans_up(tmp_path):
                 time.sleep(0.005)
             assert len(done) >= 20
             assert srv.stop(signal.SIGTERM) == 0
+            exited = time.monotonic()
             stop.set()
             for w in workers:
-                w.join(10)
-        assert not failures, failures
+                w.join(15)
+        # A call begun once the daemon is gone talks to no daemon: how it fails is gRPC's
+        # (rarely a connect to the freed port that hangs to its deadline), not the daemon's.
+        assert not [exc for started, exc in failures if started < exited], failures
         assert os.path.exists(path)  # buffers persist across restarts
         assert (tmp_path / "data").is_dir()  # the data dir itself stays
         assert "Traceback" not in srv.proc.stderr.read()
