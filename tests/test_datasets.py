@@ -44,6 +44,14 @@ def write_hdf5(path, arrays):
     return path
 
 
+def write(path, arrays, fmt):
+    """``arrays`` saved as ``fmt`` ("npz" or "hdf5") at ``path``."""
+    if fmt == "npz":
+        np.savez(path, **arrays)
+    else:
+        write_hdf5(path, arrays)
+
+
 def same(a, b):
     assert sorted(a) == sorted(b)
     for key in a:
@@ -56,10 +64,7 @@ def test_files_with_either_naming_load_as_transitions(tmp_path, names, fmt):
     arrays = transitions()
     stored = renamed(arrays, names)
     path = tmp_path / f"data.{fmt}"
-    if fmt == "npz":
-        np.savez(path, **stored)
-    else:
-        write_hdf5(path, stored)
+    write(path, stored, fmt)
     loaded = datasets.load(path)
     same(loaded, arrays)
     buf = millpond.OfflineDatasetBuffer(**loaded)
@@ -109,10 +114,7 @@ def raw_d4rl(n=30, seed=1):
 def test_without_next_observations_transitions_are_built_as_d4rl_does(tmp_path, fmt):
     raw = raw_d4rl()
     path = tmp_path / f"raw.{fmt}"
-    if fmt == "npz":
-        np.savez(path, **raw)
-    else:
-        write_hdf5(path, raw)
+    write(path, raw, fmt)
     loaded = datasets.load(path)
     expected = d4rl_qlearning(raw)
     np.testing.assert_array_equal(loaded["obs"], expected["observations"])

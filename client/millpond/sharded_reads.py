@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from .remote import RemoteBuffer
     from .sharded import ShardedClient
 
+
 class ShardedReads:
     """Episodic reads and updates over the shards (see the module docstring)."""
 
