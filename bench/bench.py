@@ -434,17 +434,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, short timings")
     parser.add_argument("--seconds", type=float, default=None, help="time per measurement")
-    parser.add_argument("--only", choices=["grpc"], help="only the section 'gRPC beside bare "
-                        "gRPC' (to compare two source trees: PYTHONPATH=TREE/client:TREE/server)")
+    parser.add_argument("--only", choices=["grpc", "load"], help="only the section 'gRPC "
+                        "beside bare gRPC' or 'Under load' (to compare two source trees: "
+                        "PYTHONPATH=TREE/client:TREE/server)")
     args = parser.parse_args()
     seconds = args.seconds or (0.3 if args.quick else 1.0)
     tmp = Path(tempfile.mkdtemp(prefix="millpond-bench-"))
     print(f"millpond {millpond.__version__} benchmark; numpy {np.__version__}; "
           f"{os.cpu_count()} cores; sample batch {SAMPLE_BATCH}; median of 3 x {seconds}s\n")
     try:
-        if args.only == "grpc":
+        if args.only is not None:
             with ServerProcess(tmp / "data") as server:
-                grpc_limits_section(server.address, workloads(args.quick), tmp, seconds, CALLERS)
+                if args.only == "grpc":
+                    grpc_limits_section(server.address, workloads(args.quick), tmp, seconds,
+                                        CALLERS)
+                else:
+                    contention_section(server.address, workloads(args.quick), seconds)
             return
         with ServerProcess(tmp / "data") as server:
             results = throughput_table(server, tmp, args.quick, seconds)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -126,6 +127,7 @@ async def serve(cfg: ServeConfig) -> int:
         stop = _stop_on_signals(cfg)
 
         loop = asyncio.get_running_loop()
+        _freeze_startup_objects()
         await loop.run_in_executor(executor, _recover_and_declare, registry, cfg)
         if cfg.sync == "interval":
             syncer = PeriodicSync(registry, cfg.sync_interval)
@@ -182,6 +184,20 @@ def _stop_on_signals(cfg: ServeConfig) -> asyncio.Event:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     return stop
+
+
+def _freeze_startup_objects() -> None:
+    """Leave the objects made so far (modules, classes, gRPC's and numpy's) out of every
+    later cyclic collection.
+
+    There are some 40,000 of them, and each full collection walked them all:
+    a 10-15 ms pause of the event loop and every call on it. They live as long
+    as the daemon, so nothing is lost by never collecting them; buffers are
+    made after this (recovered or created), so a closed buffer's cycles are
+    still collected.
+    """
+    gc.collect()  # startup's garbage first: frozen objects are never collected
+    gc.freeze()
 
 
 def _recover_and_declare(registry: Registry, cfg: ServeConfig) -> None:
