@@ -430,6 +430,19 @@ def auth_section(tmp: Path, seconds: float) -> None:
                       f" = {rate / base:.2f}x no auth")
 
 
+def no_storage_server(data_dir: Path) -> ServerProcess:
+    """A daemon with its storage work patched out (bench/no_storage.py), for the ceiling
+    of the gRPC rows."""
+    server = ServerProcess(data_dir)
+    server.args[1:3] = [str(Path(__file__).with_name("no_storage.py"))]  # not -m millpond_server
+    return server
+
+
+def grpc_section(address: str, tmp: Path, quick: bool, seconds: float) -> None:
+    with no_storage_server(tmp / "no-storage") as ceiling:
+        grpc_limits_section(address, workloads(quick), tmp, seconds, CALLERS, ceiling.address)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, short timings")
@@ -446,8 +459,7 @@ def main() -> None:
         if args.only is not None:
             with ServerProcess(tmp / "data") as server:
                 if args.only == "grpc":
-                    grpc_limits_section(server.address, workloads(args.quick), tmp, seconds,
-                                        CALLERS)
+                    grpc_section(server.address, tmp, args.quick, seconds)
                 else:
                     contention_section(server.address, workloads(args.quick), seconds)
             return
@@ -455,7 +467,7 @@ def main() -> None:
             results = throughput_table(server, tmp, args.quick, seconds)
             shared_memory_section(results, server, seconds)
             prioritized_shm_rows(server, args.quick, seconds)
-            grpc_limits_section(server.address, workloads(args.quick), tmp, seconds, CALLERS)
+            grpc_section(server.address, tmp, args.quick, seconds)
             queue_section(server, seconds)
             contention_section(server.address, workloads(args.quick), seconds)
             memory_figure(server, 100_000 if args.quick else 1_000_000)

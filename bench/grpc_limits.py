@@ -10,6 +10,10 @@ judged against the lower of the bare upload and the disk's sequential write
 speed (write + ``fdatasync`` of a file of as many bytes as one timed push run
 moved, in the benchmark's temp dir, like ``dd ... conv=fdatasync``).
 
+The CartPole rows are also measured against a second daemon whose storage
+work is patched out (``bench/no_storage.py``): the same client, framing and
+handlers, nothing stored. That is the ceiling no engine change can pass.
+
 Rows and their limits are measured in turns (millpond for the bench's time per
 measurement, then bare aio and bare sync for half of it each; three times), so
 a noisy moment on this shared machine hits them alike; each figure is the
@@ -147,8 +151,13 @@ def call_rate(fn: Callable[[], object], seconds: float, threads: int = 1) -> flo
 
 
 def grpc_limits_section(address: str, workloads: list, tmp: Path, seconds: float,
-                        callers: int) -> None:
-    """Print the gRPC rows of the issue beside their same-run limits (see the module doc)."""
+                        callers: int, no_storage_address: str | None = None) -> None:
+    """Print the gRPC rows of the issue beside their same-run limits (see the module doc).
+
+    ``no_storage_address``: a daemon with its storage work patched out
+    (``bench/no_storage.py``), measured in the same turns for the CartPole rows:
+    the ceiling no engine change can pass.
+    """
     import millpond
 
     cart_w, atari_w = workloads
@@ -159,8 +168,15 @@ def grpc_limits_section(address: str, workloads: list, tmp: Path, seconds: float
                                  total_capacity=atari_w.total, fields=atari_w.schema)
     rng = np.random.default_rng(7)
     cart_batch, atari_batch = cart_w.batch(1000, rng), atari_w.batch(128, rng)
+    ceiling = None
+    if no_storage_address is not None:
+        ceiling = millpond.connect(no_storage_address, shm=False).create_buffer(
+            "bench-limits-CartPole", hot_capacity=cart_w.hot, total_capacity=cart_w.total,
+            fields=cart_w.schema)
     for _ in range(cart_w.total // 1000):  # fill: samples reach both tiers
         cart.push_batch(**cart_batch)
+        if ceiling is not None:
+            ceiling.push_batch(**cart_batch)
     for _ in range(-(-atari_w.total // 128)):
         atari.push_batch(**atari_batch)
     atari_bytes = atari_w.schema.record_nbytes
@@ -174,6 +190,9 @@ def grpc_limits_section(address: str, workloads: list, tmp: Path, seconds: float
         bare.upload(_payload(up))
         bare.download(down_request)
     sustained = max(seconds, 2.0) if seconds >= 1.0 else seconds
+    ceilings = {} if ceiling is None else {  # the same calls, to the no-storage daemon
+        "CartPole push_batch(1000)": lambda: ceiling.push_batch(**cart_batch),
+        "CartPole sample(256)": lambda: ceiling.sample(256)}
     # (row, millpond call, units per call, its limit's call on a bare server, units per call,
     #  callers, seconds)
     plan = [
@@ -194,15 +213,18 @@ def grpc_limits_section(address: str, workloads: list, tmp: Path, seconds: float
     results = []
     try:
         for row, call, units, bare_call, bare_units, threads, secs in plan:
-            ours, limits, ratios = [], [], []
+            ours, limits, ratios, ceiling_ratios = [], [], [], []
             for _ in range(TURNS):
                 ours.append(call_rate(call, secs, threads) * units)
                 limit = max(call_rate(lambda b=b: bare_call(b), secs / 2, threads) * bare_units
                             for b in bares)
                 limits.append(limit)
                 ratios.append(ours[-1] / limit)
+                if row in ceilings:
+                    ceiling_ratios.append(call_rate(ceilings[row], secs, threads) / limit)
             results.append((row, statistics.median(ours), statistics.median(limits),
-                            statistics.median(ratios)))
+                            statistics.median(ratios),
+                            statistics.median(ceiling_ratios) if ceiling_ratios else None))
     finally:
         sampler.close()
         for bare in bares:
@@ -219,7 +241,7 @@ def _print(results: list, disk: float, callers: int) -> None:
           "echo server (the\nfaster of grpc.aio and sync) making calls of the same shape; "
           f"medians of {TURNS} turns")
     print(f"  {'row':34} {'millpond':>19} {'limit':>19}  {'ratio':>5}  {'target':8} limit is")
-    for i, (row, ours, limit, ratio) in enumerate(results):
+    for i, (row, ours, limit, ratio, _) in enumerate(results):
         if i == 2:  # a persistent buffer's pushes end on disk: the lower limit counts
             limit, ratio = min(limit, disk), ratio * limit / min(limit, disk)
         if i < 2:
@@ -235,6 +257,11 @@ def _print(results: list, disk: float, callers: int) -> None:
         figures = " ".join(f"{f'{value * scale:,.2f}' if scale < 1 else f'{value:,.0f}':>11} "
                            f"{unit:7}" for value in (ours, limit))
         print(f"  {row:34} {figures}  {ratio:4.2f}x  {target:8} {what}")
+    ceilings = [(row, ceiling) for row, _, _, _, ceiling in results if ceiling is not None]
+    if ceilings:
+        print("  the same calls to a daemon with its storage work patched out (bench/no_storage.py),"
+              " the ceiling\n  of any engine change: " + "; ".join(
+                  f"{row} {ceiling:.2f}x" for row, ceiling in ceilings))
 
 
 if __name__ == "__main__":
