@@ -167,6 +167,21 @@ def test_sample_reaches_hot_and_cold(make):
     assert (rewards < 10).any() and (rewards >= 10).any()
 
 
+def test_unseeded_samples_see_each_push_and_reset_at_once(make):
+    """A learner's repeated samples without a seed (which a daemon draws ahead, while the
+    learner is busy) show each acknowledged push and reset at once: no evicted record."""
+    buf = make(4, 8, 2, 1)
+    for start in range(0, 48, 8):
+        buf.push_batch(**transitions(start, 8))  # evicts every record held before
+        for _ in range(3):
+            batch = buf.sample(4)
+            assert_rows_consistent(batch)
+            assert set(batch["rewards"].tolist()) <= set(range(start, start + 8))
+    buf.reset()
+    with pytest.raises(millpond.NotEnoughDataError):
+        buf.sample(1)
+
+
 def test_sample_results_are_writable_arrays(make):
     buf = make(4, 8, 2, 1)
     buf.push_batch(**transitions(0, 8))

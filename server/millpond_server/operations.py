@@ -178,7 +178,7 @@ class Operations:
     def push(self, name: str, record: Mapping[str, Any]) -> tuple[int, int]:
         """Store one record now or raise WouldWait; return ``(size, pushed)`` after it."""
         buffer = self.registry.get(name)
-        _try(buffer, buffer.push, record, timeout=0)
+        try_now(buffer, buffer.push, record, timeout=0)
         return len(buffer), buffer.pushed
 
     def push_batch(self, name: str, columns: Mapping[str, Any], priorities: np.ndarray | None,
@@ -190,8 +190,8 @@ class Operations:
             buffer = self.registry.get(name)
         columns = dict(columns)  # an episodic push's ids ride in one more column
         episodes = columns.pop(EPISODE_COLUMN, None)
-        _try(buffer, buffer.push_batch, columns, priorities, episodes=episodes, updates=updates,
-             timeout=0)
+        try_now(buffer, buffer.push_batch, columns, priorities, episodes=episodes,
+                updates=updates, timeout=0)
         return len(buffer), buffer.pushed
 
     def sample(self, name: str, batch_size: int, seed: int | None,
@@ -202,9 +202,9 @@ class Operations:
         if buffer is None:
             buffer = self.registry.get(name)
         if filter_meta:
-            return _try(buffer, buffer.sample, batch_size, seed, out, timeout=0,
-                        filter_meta=filter_meta)
-        return _try(buffer, buffer.sample, batch_size, seed, out, timeout=0)
+            return try_now(buffer, buffer.sample, batch_size, seed, out, timeout=0,
+                           filter_meta=filter_meta)
+        return try_now(buffer, buffer.sample, batch_size, seed, out, timeout=0)
 
     def sample_episodic(self, name: str, op: str, batch_size: int, seed: int | None,
                         filter_meta: Mapping[str, Any] | None, params: Mapping[str, Any],
@@ -213,8 +213,8 @@ class Operations:
         sample_episodes; ``params``: its own arguments) or raise WouldWait."""
         buffer = self.registry.get(name)
         extra = {} if out is None else {"out": out}
-        return _try(buffer, getattr(buffer, op), batch_size, seed=seed, filter_meta=filter_meta,
-                    timeout=0, **params, **extra)
+        return try_now(buffer, getattr(buffer, op), batch_size, seed=seed,
+                       filter_meta=filter_meta, timeout=0, **params, **extra)
 
     def update_episodes(self, name: str, updates: Any) -> None:
         self.registry.get(name).update_episodes(updates)
@@ -275,9 +275,14 @@ class Operations:
             wait = exc
         finally:
             lock.release()
-            if time.monotonic() - start > INLINE_SLOW_S:
-                self._pooled_until[buffer] = start + INLINE_BACKOFF_S
+            self.ran_on_loop(buffer, start)
         return await self._wait_and_retry(wait, budget, fn, args, held)
+
+    def ran_on_loop(self, buffer: TieredBuffer, start: float) -> None:
+        """Work on ``buffer`` ran on the loop since ``start``: if that took over INLINE_SLOW_S
+        (it waited for the disk), the buffer's calls go to the pool for INLINE_BACKOFF_S."""
+        if time.monotonic() - start > INLINE_SLOW_S:
+            self._pooled_until[buffer] = start + INLINE_BACKOFF_S
 
     def admit_from_thread(self, budget: float | None, cancelled: Callable[[], bool],
                           fn: Callable[..., T], *args: Any) -> T:
@@ -387,8 +392,7 @@ class Operations:
             wait.kind, wait.records)
 
 
-
-def _try(buffer: TieredBuffer, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+def try_now(buffer: TieredBuffer, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """An engine call with ``timeout=0``; WouldWait if the rate limiter is closed."""
     try:
         return call(*args, **kwargs)

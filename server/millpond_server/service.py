@@ -47,6 +47,7 @@ from millpond.wire.episodic import decode_meta, decode_update, decode_updates, o
 from millpond.wire.inplace import BatchFrame
 from millpond.wire.status import ERROR_CODE_KEY, status_for
 
+from .ahead import SamplesAhead
 from .auth import ADMIN, bearer_token
 from .shm_listener import FastPathServer
 from .operations import INLINE_BYTES, Operations, wait_budget
@@ -123,6 +124,7 @@ class ReplayService:
         self.fastpath_off_reason = fastpath_off_reason
         self.max_message_mb = max_message_mb
         self.max_message_bytes = max_message_mb * 1024 * 1024
+        self.ahead = SamplesAhead(ops)
 
     @_rpc
     async def Create(self, request: pb.CreateRequest, context) -> pb.CreateReply:
@@ -188,11 +190,20 @@ class ReplayService:
         if buffer.config.prioritized is not None or batch_size <= 0:  # weights, indices too
             return encode_with_batch(SAMPLE_BATCH_FIELD,
                                      self.ops.sample("", batch_size, seed, buffer=buffer))
+        frame = sample_reply_frame(buffer.schema, batch_size)
+        if seed is None and frame.nbytes <= INLINE_BYTES and buffer.draws_ahead:
+            reply = (self.ahead.serve(buffer, batch_size)
+                     or self._gathered_reply(buffer, frame, batch_size, seed))
+            self.ahead.draw_next(buffer, frame, batch_size)
+            return reply
+        return self._gathered_reply(buffer, frame, batch_size, seed)
+
+    def _gathered_reply(self, buffer: TieredBuffer, frame: BatchFrame, batch_size: int,
+                        seed: int | None) -> bytes:
         # Gathered straight into the reply: a large one's bytes (the column
         # data's one copy), a small one's reused buffer (then copied once).
         # The engine fills every row of ``out`` (cold rows, then hot ones) and
         # returns those very arrays; anything else is encoded the plain way.
-        frame = sample_reply_frame(buffer.schema, batch_size)
         reply, columns = frame.new() if frame.nbytes > REUSED_REPLY_BYTES else frame.reused()
         result = self.ops.sample("", batch_size, seed, columns, buffer=buffer)
         if result.keys() != columns.keys() or any(result[k] is not v for k, v in columns.items()):

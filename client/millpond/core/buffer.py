@@ -25,6 +25,7 @@ from .checks import check_batch_size, check_indices, check_priorities, check_see
 from .config import BufferConfig, ConfiguredBuffer, check_exponent
 from .contents import Contents
 from .draw import Proportional
+from .drawahead import DrawAhead
 from .episodic import EpisodicReads
 from .footprint import hot_nbytes, memory_needed, slot_arrays_for
 from .memory import available_memory, check_available, memory_limit
@@ -36,7 +37,7 @@ from .recovery import recover
 from .tier import Tier
 
 
-class TieredBuffer(EpisodicReads, Contents, RateWaits, ConfiguredBuffer):
+class TieredBuffer(DrawAhead, EpisodicReads, Contents, RateWaits, ConfiguredBuffer):
     """Hot ring + cold mapped-file ring behind one FIFO, as ``config`` describes.
 
     ``total_capacity == hot_capacity`` means no cold tier: the record leaving
