@@ -25,6 +25,7 @@ median of its turns and each ratio the median of the per-turn ratios.
 from __future__ import annotations
 
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -64,6 +65,8 @@ def serve(kind: str) -> None:
 
         handlers = {name: grpc.unary_unary_rpc_method_handler(
             lambda request, context, reply=reply: reply(request)) for name, reply in replies.items()}
+        handlers["Ping"] = grpc.stream_stream_rpc_method_handler(
+            lambda requests, context: (b"" for _ in requests))
         server = grpc.server(ThreadPoolExecutor(8), options=OPTIONS)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         print(server.add_insecure_port("127.0.0.1:0"), flush=True)
@@ -76,10 +79,15 @@ def serve(kind: str) -> None:
             return reply(request)
         return grpc.unary_unary_rpc_method_handler(handle)
 
+    async def ping(requests, context):  # an empty reply to each message of the stream
+        async for _ in requests:
+            yield b""
+
     async def main() -> None:
         server = grpc.aio.server(options=OPTIONS)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            SERVICE, {name: handler(reply) for name, reply in replies.items()}),))
+        handlers = {name: handler(reply) for name, reply in replies.items()}
+        handlers["Ping"] = grpc.stream_stream_rpc_method_handler(ping)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         print(port, flush=True)
@@ -103,6 +111,24 @@ class BareEcho:
         self.empty = self.channel.unary_unary(f"/{SERVICE}/Empty")
         self.upload = self.channel.unary_unary(f"/{SERVICE}/Upload")
         self.download = self.channel.unary_unary(f"/{SERVICE}/Download")
+        self.ping = self.channel.stream_stream(f"/{SERVICE}/Ping")
+
+    def ping_rate(self, seconds: float) -> float:
+        """Round trips/s of empty messages on one open bidi stream, one at a time."""
+        requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        replies = self.ping(iter(requests.get, None))
+        requests.put(b"")
+        next(replies)
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            requests.put(b"")
+            next(replies)
+            n += 1
+        rate = n / (time.perf_counter() - start)
+        requests.put(None)
+        for _ in replies:  # the stream ends
+            pass
+        return rate
 
     def close(self) -> None:
         self.channel.close()
@@ -225,6 +251,11 @@ def grpc_limits_section(address: str, workloads: list, tmp: Path, seconds: float
             results.append((row, statistics.median(ours), statistics.median(limits),
                             statistics.median(ratios),
                             statistics.median(ceiling_ratios) if ceiling_ratios else None))
+        streams = []  # (ping round trips/s, its ratio to empty unary calls), in turns
+        for _ in range(TURNS):
+            unary = max(call_rate(lambda b=b: b.empty(b""), seconds / 2) for b in bares)
+            ping = max(b.ping_rate(seconds / 2) for b in bares)
+            streams.append((ping, ping / unary))
     finally:
         sampler.close()
         for bare in bares:
@@ -232,6 +263,7 @@ def grpc_limits_section(address: str, workloads: list, tmp: Path, seconds: float
     push_row = results[2]
     disk = disk_write_rate(tmp, int(min(2 << 30, max(256 << 20, push_row[1] * sustained))))
     _print(results, disk, callers)
+    _print_streams(streams)
     cart.close()
     atari.close()
 
@@ -262,6 +294,14 @@ def _print(results: list, disk: float, callers: int) -> None:
         print("  the same calls to a daemon with its storage work patched out (bench/no_storage.py),"
               " the ceiling\n  of any engine change: " + "; ".join(
                   f"{row} {ceiling:.2f}x" for row, ceiling in ceilings))
+
+
+def _print_streams(streams: list[tuple[float, float]]) -> None:
+    rate = statistics.median(ping for ping, _ in streams)
+    ratio = statistics.median(ratio for _, ratio in streams)
+    print(f"  not a limit of the rows (they are unary calls): one open bidi stream of the bare "
+          f"servers\n  carries empty messages, one round trip at a time, at {rate:,.0f}/s, "
+          f"{ratio:.2f}x the empty calls")
 
 
 if __name__ == "__main__":
