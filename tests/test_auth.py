@@ -71,8 +71,10 @@ def auth_server(tmp_path_factory):
         yield proc
 
 
-class StatusRecorder(grpc.UnaryUnaryClientInterceptor):
-    """Records the gRPC status of every call made through its channel."""
+class StatusRecorder(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Records the gRPC status of every call made through its channel: of a call sent
+    as a message on a stream (PushBatch, Sample), OK per reply, or the status that
+    ended the stream."""
 
     def __init__(self):
         self.codes: list[grpc.StatusCode] = []
@@ -81,6 +83,31 @@ class StatusRecorder(grpc.UnaryUnaryClientInterceptor):
         outcome = continuation(details, request)
         self.codes.append(outcome.code())
         return outcome
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return RecordedStream(continuation(details, request_iterator), self.codes)
+
+
+class RecordedStream:
+    """A stream's replies, each recorded as it comes (see StatusRecorder)."""
+
+    def __init__(self, replies, codes: list):
+        self.replies, self.codes = replies, codes
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            reply = next(self.replies)
+        except grpc.RpcError as exc:
+            self.codes.append(exc.code())
+            raise
+        self.codes.append(grpc.StatusCode.OK)
+        return reply
+
+    def cancel(self):
+        return self.replies.cancel()
 
 
 @pytest.fixture

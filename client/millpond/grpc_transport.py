@@ -28,6 +28,7 @@ from .core.config import BufferConfig
 from .core.info import BufferInfo
 from .core.schema import Schema
 from .errors import DeadlineExceededError, MessageTooLargeError, ServerStartingError
+from .grpc_streams import ThreadStreams, unary_fallback
 from .v1 import replay_pb2 as pb
 from .v1 import replay_pb2_grpc as pb_grpc
 from .wire.codec import config_to_proto, info_from_proto
@@ -46,6 +47,11 @@ from .wire.status import error_from_rpc
 # Protobuf framing per column (name, dtype, shape, length prefixes) is tiny;
 # this margin keeps size checks honest without computing it exactly.
 FRAMING_BYTES = 64 * 1024
+# Calls sent on streams (see grpc_streams) move at most this each way: where a call's
+# setup costs as much as its message. The daemon keeps a stream's last request until
+# the next one arrives, and a reply that came on a stream is not handed out as writable
+# views (gRPC keeps a reference to it): large ones go as calls.
+STREAMED_MAX_BYTES = 64 << 10
 # Backoff between retries of a call the server answered "starting".
 _RETRY_FIRST, _RETRY_MAX = 0.05, 1.0
 
@@ -56,7 +62,7 @@ class GrpcTransport:
     name = "grpc"
 
     def __init__(self, channel: grpc.Channel, max_message_bytes: int,
-                 metadata: tuple[tuple[str, str], ...] | None = None):
+                 metadata: tuple[tuple[str, str], ...] | None = None, address: str = ""):
         self.max_message_bytes = max_message_bytes
         self.metadata = metadata
         self.channel = channel
@@ -71,6 +77,17 @@ class GrpcTransport:
             request_serializer=None,  # already bytes (see sample)
             response_deserializer=None,  # parsed by frames.decode_batch_field
         )
+        # The same two calls as messages on open streams (see grpc_streams), unless the
+        # daemon is too old to have them.
+        self._streams = ThreadStreams(metadata, address)
+        self._streamed: dict[Callable, grpc.StreamStreamMultiCallable] | None = {
+            self._push_batch: channel.stream_stream(
+                "/millpond.v1.Replay/PushBatchStream", request_serializer=None,
+                response_deserializer=pb.PushReply.FromString),
+            self._sample: channel.stream_stream(
+                "/millpond.v1.Replay/SampleStream", request_serializer=None,
+                response_deserializer=None),
+        }
         # Episodic calls whose replies are framed like a SampleReply, parsed the same way.
         self._bytes = {name: channel.unary_unary(
             f"/millpond.v1.Replay/{name}",
@@ -78,23 +95,43 @@ class GrpcTransport:
             response_deserializer=None)
             for name in ("SampleSequences", "SampleEpisodes", "EpisodeCatalog", "Read")}
 
-    def invoke(self, method: Callable, request: Any, deadline: float) -> Any:
-        """``method(request)`` within ``deadline`` seconds, once the server is ready."""
+    def invoke(self, method: Callable, request: Any, deadline: float,
+               small: bool = False) -> Any:
+        """``method(request)`` within ``deadline`` seconds, once the server is ready.
+        ``small``: request and reply are at most STREAMED_MAX_BYTES (see :meth:`_send`)."""
         end = time.monotonic() + deadline
         delay = _RETRY_FIRST
         while True:
             try:
-                return method(request, timeout=max(0.0, end - time.monotonic()),
-                              wait_for_ready=True, metadata=self.metadata)
+                return self._send(method, request, max(0.0, end - time.monotonic()), small)
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
-                if type(error) is DeadlineExceededError:  # perhaps never connected: why?
-                    error = self._why_unreached(error)
+            except DeadlineExceededError as exc:  # a stream's caller waited its deadline
+                error = exc
+            if type(error) is DeadlineExceededError:  # perhaps never connected: why?
+                error = self._why_unreached(error)
             left = end - time.monotonic()
             if not isinstance(error, ServerStartingError) or left <= delay:
                 raise error
             time.sleep(delay)
             delay = min(2 * delay, _RETRY_MAX)
+
+    def _send(self, method: Callable, request: Any, timeout: float, small: bool) -> Any:
+        """One try of ``method(request)``: a small call as a message on this thread's
+        stream of them, if the method has one; else a unary call."""
+        streamed = small and self._streamed and self._streamed.get(method)
+        if streamed:
+            try:
+                return self._streams.call(streamed, request, timeout)
+            except grpc.RpcError as exc:
+                if not unary_fallback(exc):
+                    raise
+                self._streamed = None  # an older daemon: unary calls from now on
+        return method(request, timeout=timeout, wait_for_ready=True, metadata=self.metadata)
+
+    def close(self) -> None:
+        """End this client's streams (its channel is closed by its owner)."""
+        self._streams.close()
 
     def _why_unreached(self, error: DeadlineExceededError) -> DeadlineExceededError:
         """A call that waited its whole deadline for a connection says why it never got one.
@@ -129,7 +166,7 @@ class GrpcTransport:
         if updates:  # episode meta and ends, applied with the records
             request += encode_messages(PUSH_UPDATES_FIELD, [
                 u.SerializeToString() for u in encode_updates(buffer, updates).updates])
-        self.invoke(self._push_batch, request, deadline)
+        self.invoke(self._push_batch, request, deadline, len(request) <= STREAMED_MAX_BYTES)
 
     def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
                extras: bool, timeout: float, deadline: float,
@@ -140,7 +177,8 @@ class GrpcTransport:
             request = pb.SampleRequest(name=buffer, batch_size=batch_size, seed=seed,
                                        timeout=timeout, filter_meta=encode_meta(filter_meta)
                                        ).SerializeToString()
-        return self._columns(self.invoke(self._sample, request, deadline))
+        small = batch_size * schema.record_nbytes <= STREAMED_MAX_BYTES
+        return self._columns(self.invoke(self._sample, request, deadline, small))
 
     def _columns(self, reply: bytes) -> dict[str, np.ndarray]:
         """The arrays of a reply framed like a SampleReply."""

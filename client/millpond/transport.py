@@ -86,7 +86,8 @@ class Connection:
         tune_malloc_for_large_messages()
         self.credentials = credentials = credentials or Credentials()
         self.channel = credentials.channel(address, options)  # TLS when configured
-        self.grpc = GrpcTransport(self.channel, max_message_bytes, credentials.metadata())
+        self.grpc = GrpcTransport(self.channel, max_message_bytes, credentials.metadata(),
+                                  address)
         self._timeout = timeout
         self._lock = threading.Lock()
         self.calls: Counter[tuple[str, str]] = Counter()  # (transport, op) -> calls made
@@ -175,4 +176,5 @@ class Connection:
     def close(self) -> None:
         if self.shm is not None:
             self.shm.close()
+        self.grpc.close()
         self.channel.close()

@@ -105,7 +105,7 @@ async def serve(cfg: ServeConfig) -> int:
                              maximum_concurrent_rpcs=cfg.max_concurrent_calls,
                              interceptors=[ObservingInterceptor(
                                  None if metrics is None else metrics.call)] if observe else None)
-    service = ReplayService(ops, cfg.max_message_mb, fastpath, off_reason)
+    service = ReplayService(ops, cfg.max_message_mb, fastpath, off_reason, cfg.stream_idle_s)
     add_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -149,6 +149,7 @@ async def serve(cfg: ServeConfig) -> int:
         if cfg.address_file is not None:
             cfg.address_file.unlink(missing_ok=True)
         await health_servicer.enter_graceful_shutdown()  # NOT_SERVING for every service
+        service.streams.end()
         await server.stop(cfg.grace)
         log.info("server stopped")
         return 0

@@ -158,6 +158,8 @@ SERVE_OPTIONS = (
     Option("max_data_gb", _positive_float, None,
            "disk the data directory may use, GB (default: what the disk has)"),
     Option("max_concurrent_calls", _positive_int, 1024, "gRPC calls served at once (more wait)"),
+    Option("stream_idle_s", _positive_float, 10.0,
+           "seconds a client's stream of calls may stay open without one (it counts as a call)"),
     Option("max_waiting_calls", _positive_int, 256,
            "calls that may wait for rate limiters at once (more are refused)"),
     Option("max_waiting_mb", _positive_int, 1024,
@@ -193,6 +195,7 @@ class ServeConfig:
     max_buffers: int = 1000
     max_data_gb: float | None = None
     max_concurrent_calls: int = 1024
+    stream_idle_s: float = 10.0
     max_waiting_calls: int = 256
     max_waiting_mb: int = 1024
     token: str | None = field(default=None, repr=False)  # MILLPOND_TOKEN (admin)

@@ -2,7 +2,8 @@
 
 Installed only when something uses it (``--metrics-port``, ``--log-format
 json`` or ``--log-level debug``), so a plain daemon's calls pay nothing. For
-each unary call it:
+each unary call, and each message of a stream of calls (PushBatchStream's
+as PushBatch calls), it:
 
 * sets :data:`.logs.CALL` for the call's task, so every line logged while
   serving it names its ``method``, ``peer`` and ``buffer`` (the name is read
@@ -20,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from millpond.wire.frames import decode_name
 
 from .logs import CALL
+from .service import STREAMED
 
 log = logging.getLogger("millpond.calls")
 
@@ -74,11 +76,17 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
             self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
+        if handler is None:
             return handler
         method = details.method.rpartition("/")[2]
+        if handler.stream_stream is not None and method in STREAMED:
+            return grpc.stream_stream_rpc_method_handler(
+                self._observed_stream(handler.stream_stream, STREAMED[method]),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_unary is None:
+            return handler
         inner = handler.unary_unary
-        report = self.report
 
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
@@ -95,15 +103,53 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
                 code = _code(context) or "UNKNOWN"
                 raise
             finally:
-                seconds = time.perf_counter() - start
-                if report is not None:
-                    report("grpc", method, code, seconds)
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("call", extra={"kv": {"code": code, "ms": round(seconds * 1e3, 3)}})
+                self._ended(method, code, start)
 
         return grpc.unary_unary_rpc_method_handler(
             observed, request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)
+
+    def _observed_stream(self, inner: Callable, method: str) -> Callable:
+        """A stream whose every message is observed as a call of ``method`` (from its
+        request to its reply), and names that method in log lines."""
+
+        async def observed(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+                           ) -> AsyncIterator[Any]:
+            started: float | None = None  # the message being served
+
+            async def pulled() -> AsyncIterator[Any]:
+                nonlocal started
+                async for request in requests:
+                    started = time.perf_counter()
+                    CALL.set(CallContext(method, context.peer(), request))
+                    yield request
+
+            code = "UNKNOWN"
+            try:
+                async for reply in inner(pulled(), context):
+                    assert started is not None
+                    self._ended(method, "OK", started)
+                    started = None
+                    yield reply
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except BaseException:
+                code = _code(context) or "UNKNOWN"
+                raise
+            finally:
+                if started is not None:  # the message whose error ended the stream
+                    self._ended(method, code, started)
+
+        return observed
+
+    def _ended(self, method: str, code: str, start: float) -> None:
+        """Report and log one call (or message) that began at ``start``."""
+        seconds = time.perf_counter() - start
+        if self.report is not None:
+            self.report("grpc", method, code, seconds)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("call", extra={"kv": {"code": code, "ms": round(seconds * 1e3, 3)}})
 
 
 def _code(context: grpc.aio.ServicerContext) -> str | None:

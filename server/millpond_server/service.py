@@ -50,12 +50,16 @@ from millpond.wire.status import ERROR_CODE_KEY, status_for
 from .ahead import SamplesAhead
 from .auth import ADMIN, bearer_token
 from .shm_listener import FastPathServer
+from .streams import CallStreams
 from .operations import INLINE_BYTES, Operations, wait_budget
 from .registry import check_name
 
 SERVICE_NAME = "millpond.v1.Replay"
 REUSED_REPLY_BYTES = 64 << 10  # sample replies up to this size are built in a reused buffer
-_METHODS = tuple(pb.DESCRIPTOR.services_by_name["Replay"].methods_by_name)
+_DESCRIPTORS = pb.DESCRIPTOR.services_by_name["Replay"].methods
+# The unary RPCs, and the streams whose every message is one of them (PushBatchStream: PushBatch).
+_METHODS = tuple(m.name for m in _DESCRIPTORS if not m.client_streaming)
+STREAMED = {m.name: m.name.removesuffix("Stream") for m in _DESCRIPTORS if m.client_streaming}
 # The role the running call authenticated as (each call runs in a task of its own).
 _ROLE: contextvars.ContextVar[str | None] = contextvars.ContextVar("millpond_role", default=None)
 
@@ -92,9 +96,8 @@ def _parser(message_class: Any) -> Callable[[bytes], Any]:
 
 # Each method's request parser. PushBatch keeps its bytes: frames.py reads them on the pool.
 _REQUESTS: dict[str, Callable[[bytes], Any]] = {
-    name: (lambda raw: raw) if name == "PushBatch" else _parser(
-        getattr(pb, pb.DESCRIPTOR.services_by_name["Replay"].methods_by_name[name].input_type.name))
-    for name in _METHODS
+    m.name: (lambda raw: raw) if m.name == "PushBatch" else _parser(getattr(pb, m.input_type.name))
+    for m in _DESCRIPTORS if not m.client_streaming
 }
 
 
@@ -118,8 +121,10 @@ class ReplayService:
     """Adapts ``millpond.v1.Replay`` calls to the operations layer."""
 
     def __init__(self, ops: Operations, max_message_mb: int,
-                 fastpath: FastPathServer | None = None, fastpath_off_reason: str = ""):
+                 fastpath: FastPathServer | None = None, fastpath_off_reason: str = "",
+                 stream_idle_s: float = 10.0):
         self.ops = ops
+        self.streams = CallStreams(stream_idle_s)
         self.fastpath = fastpath
         self.fastpath_off_reason = fastpath_off_reason
         self.max_message_mb = max_message_mb
@@ -345,5 +350,11 @@ def add_to_server(service: ReplayService, server: grpc.aio.Server) -> None:
             response_serializer=_passthrough_or_serialize)
         for name in _METHODS
     }
+    handlers.update({  # each message of PushBatchStream is a PushBatch call...
+        name: grpc.stream_stream_rpc_method_handler(
+            functools.partial(service.streams.serve, getattr(service, unary)),
+            request_deserializer=None, response_serializer=_passthrough_or_serialize)
+        for name, unary in STREAMED.items()
+    })
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -114,6 +114,16 @@ class ReplayStub:
                 request_serializer=millpond_dot_v1_dot_replay__pb2.ResetRequest.SerializeToString,
                 response_deserializer=millpond_dot_v1_dot_replay__pb2.ResetReply.FromString,
                 _registered_method=True)
+        self.PushBatchStream = channel.stream_stream(
+                '/millpond.v1.Replay/PushBatchStream',
+                request_serializer=millpond_dot_v1_dot_replay__pb2.PushBatchRequest.SerializeToString,
+                response_deserializer=millpond_dot_v1_dot_replay__pb2.PushReply.FromString,
+                _registered_method=True)
+        self.SampleStream = channel.stream_stream(
+                '/millpond.v1.Replay/SampleStream',
+                request_serializer=millpond_dot_v1_dot_replay__pb2.SampleRequest.SerializeToString,
+                response_deserializer=millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
+                _registered_method=True)
 
 
 class ReplayServicer:
@@ -233,6 +243,22 @@ class ReplayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushBatchStream(self, request_iterator, context):
+        """PushBatch, message after message on one open stream: each request is answered
+        by its reply before the next is read. An error ends the stream with the status
+        PushBatch would return. (A message on an open stream skips the setup a call pays.)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SampleStream(self, request_iterator, context):
+        """Sample, message after message on one open stream, likewise.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -315,6 +341,16 @@ def add_ReplayServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=millpond_dot_v1_dot_replay__pb2.ResetRequest.FromString,
                     response_serializer=millpond_dot_v1_dot_replay__pb2.ResetReply.SerializeToString,
+            ),
+            'PushBatchStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushBatchStream,
+                    request_deserializer=millpond_dot_v1_dot_replay__pb2.PushBatchRequest.FromString,
+                    response_serializer=millpond_dot_v1_dot_replay__pb2.PushReply.SerializeToString,
+            ),
+            'SampleStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SampleStream,
+                    request_deserializer=millpond_dot_v1_dot_replay__pb2.SampleRequest.FromString,
+                    response_serializer=millpond_dot_v1_dot_replay__pb2.SampleReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -749,6 +785,60 @@ class Replay:
             '/millpond.v1.Replay/Reset',
             millpond_dot_v1_dot_replay__pb2.ResetRequest.SerializeToString,
             millpond_dot_v1_dot_replay__pb2.ResetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushBatchStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/millpond.v1.Replay/PushBatchStream',
+            millpond_dot_v1_dot_replay__pb2.PushBatchRequest.SerializeToString,
+            millpond_dot_v1_dot_replay__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/millpond.v1.Replay/SampleStream',
+            millpond_dot_v1_dot_replay__pb2.SampleRequest.SerializeToString,
+            millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,180 @@
+"""Calls sent as messages on open gRPC streams: one stream per thread and method.
+
+A unary call pays gRPC's setup of a call (a new HTTP/2 stream, its headers,
+call objects on both sides) on top of its message: here about as much as a
+small push or sample itself. A message on a stream already open does not
+(``make bench`` prints the bare figures: about 1.5x the round trips). So the
+hot calls, PushBatch and Sample, go as messages of PushBatchStream and
+SampleStream, which the daemon answers one by one with the unary calls' code,
+with the same contract:
+
+* one request, then its reply: a thread's calls never overlap on its stream,
+  and every thread has its own;
+* a caller waits at most its deadline; then its stream is cancelled (the
+  daemon stops serving it, as for a unary call past its deadline) and the
+  thread's next call opens a new one;
+* an error ends the stream with the status the unary call would have had:
+  the same typed exception; the next call opens a new stream. A stream that
+  ended before it read the request (the daemon restarted, or closed it after
+  --stream-idle-s without a message) is replaced and the request sent again on
+  the new one: nothing had been done.
+
+A stream ends with its thread, or when the client closes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Any
+
+import grpc
+
+from .errors import DeadlineExceededError, ServerUnavailableError
+from .wire.status import ERROR_CODE_KEY
+
+
+_ENDED = object()  # the stream ended without an error
+
+
+class StreamBroken(Exception):
+    """The stream had ended before it read the request: nothing was done. ``error``:
+    the error that ended it, if any."""
+
+    def __init__(self, error: grpc.RpcError | None = None):
+        super().__init__(error)
+        self.error = error
+
+
+class CallStream:
+    """One open stream of calls of one method, for one thread at a time.
+
+    The replies are read by a thread of the stream's own, so that a caller
+    can wait for its reply with a timeout (gRPC's iterator has none).
+    """
+
+    def __init__(self, method: grpc.StreamStreamMultiCallable,
+                 metadata: tuple[tuple[str, str], ...] | None, address: str = ""):
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._call = method(iter(self._requests.get, None), metadata=metadata,
+                            wait_for_ready=True)
+        self.broken = False
+        self.error: grpc.RpcError | None = None  # what ended it
+        threading.Thread(target=self._read, name=f"millpond-stream {address}".rstrip(),
+                         daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for reply in self._call:
+                self._replies.put(reply)
+        except grpc.RpcError as error:
+            self.error, self.broken = error, True
+            self._replies.put(error)
+        else:  # ended by close(), or by the daemon between two messages
+            self.broken = True
+            self._replies.put(_ENDED)
+
+    def call(self, request: Any, timeout: float) -> Any:
+        """The reply to ``request``, within ``timeout`` seconds.
+
+        Raises StreamBroken if the stream ended before it read the request,
+        grpc.RpcError if it ended with an error, DeadlineExceededError after
+        ``timeout`` (the stream is cancelled then).
+        """
+        if self.broken:
+            raise StreamBroken(self.error)
+        self._requests.put(request)
+        try:
+            reply = self._replies.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            self.close()
+            raise DeadlineExceededError(f"no reply within the deadline ({timeout:.3g} s)") from None
+        if reply is _ENDED:  # ended before it read the request: nothing was done
+            raise StreamBroken()
+        if isinstance(reply, grpc.RpcError):
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        """End the stream: no more requests, and the call cancelled. Idempotent."""
+        self.broken = True
+        self._requests.put(None)
+        self._call.cancel()
+
+
+class _Held:
+    """A thread's reference to one of its streams: when the thread ends, this goes
+    (thread-local) and closes the stream; the stream's reader holds the stream only."""
+
+    def __init__(self, stream: CallStream):
+        self.stream = stream
+        weakref.finalize(self, stream.close)
+
+
+class ThreadStreams:
+    """Each thread's open stream of each method, made on first use."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...] | None, address: str = ""):
+        self.metadata = metadata
+        self.address = address  # names the streams' reader threads
+        self._local = threading.local()
+        self._all: weakref.WeakSet[CallStream] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def call(self, method: grpc.StreamStreamMultiCallable, request: Any, timeout: float) -> Any:
+        """``method``'s reply to ``request`` on this thread's stream (see :class:`CallStream`);
+        a broken stream is replaced and the request sent again, once. A new stream that
+        ends before it reads the request raises the error that ended it (the daemon has
+        no such stream, say), or ServerUnavailableError (it stops)."""
+        for attempt in range(2):
+            stream = self._stream(method)
+            try:
+                return stream.call(request, timeout)
+            except StreamBroken as broken:
+                self._forget(method)
+                if attempt == 1 and broken.error is not None:
+                    raise broken.error from None
+            except BaseException:
+                self._forget(method)  # ended, or cancelled: the next call opens another
+                raise
+        raise ServerUnavailableError("the server ended the call's stream before reading it "
+                                     "(it is stopping); nothing was done")
+
+    def _stream(self, method: grpc.StreamStreamMultiCallable) -> CallStream:
+        held: dict[Any, _Held] | None = getattr(self._local, "held", None)
+        if held is None:
+            held = self._local.held = {}
+        entry = held.get(method)
+        if entry is None:
+            with self._lock:  # not while close() runs: every stream made is closed
+                if self._closed:
+                    raise ValueError("Cannot invoke RPC on closed channel!")  # as gRPC says
+                entry = held[method] = _Held(CallStream(method, self.metadata,
+                                                        self.address))
+                self._all.add(entry.stream)
+        return entry.stream
+
+    def _forget(self, method: grpc.StreamStreamMultiCallable) -> None:
+        entry = self._local.held.pop(method, None)
+        if entry is not None:
+            entry.stream.close()
+
+    def close(self) -> None:
+        """Close every thread's streams; later calls raise."""
+        with self._lock:
+            self._closed = True
+            streams = list(self._all)
+        for stream in streams:
+            stream.close()
+
+
+def unary_fallback(error: grpc.RpcError) -> bool:
+    """Whether ``error`` says the daemon has no such stream (an older one, which answers
+    gRPC's own UNIMPLEMENTED, without millpond's error code): use unary calls."""
+    trailers = error.trailing_metadata() or ()
+    return (error.code() == grpc.StatusCode.UNIMPLEMENTED
+            and not any(key == ERROR_CODE_KEY for key, _ in trailers))
+
