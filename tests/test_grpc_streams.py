@@ -9,6 +9,7 @@ calls for a daemon without them.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import socket
@@ -111,3 +112,32 @@ def test_a_daemon_without_streams_gets_unary_calls(tmp_path):
         assert len(buf) == 8 and len(batch["obs"]) == 4
         assert set(np.unique(batch["rewards"])) <= set(range(8))
         assert stream_readers(server) == 0
+
+
+def _push_from_child(buf, start: int, results) -> None:
+    try:
+        buf.push_batch(**transitions(start, 5))
+        results.put(("ok", len(buf)))
+    except BaseException as exc:  # report to the parent instead of a bare exit code
+        results.put(("error", repr(exc)))
+
+
+def test_a_fork_closes_idle_streams_first_and_both_processes_go_on(tmp_path):
+    """gRPC skips its fork handlers while a call is open, as a stream is: idle streams are
+    closed before a fork, and the next calls open new ones, in parent and child."""
+    with ServerProcess(tmp_path / "data") as server:
+        buf = millpond.connect(server.address, shm=False).create_buffer(
+            "forks", capacity=100, obs_dim=2, act_dim=1)
+        buf.push_batch(**transitions(0, 5))
+        buf.sample(2)
+        assert stream_readers(server) == 2
+        ctx = mp.get_context("fork")
+        results = ctx.Queue()
+        child = ctx.Process(target=_push_from_child, args=(buf, 5, results))
+        child.start()
+        assert stream_readers(server) == 0  # closed, and ended, before the fork
+        assert results.get(timeout=60) == ("ok", 10)
+        child.join(30)
+        assert child.exitcode == 0
+        buf.push_batch(**transitions(10, 5))
+        assert len(buf) == 15 and stream_readers(server) == 1

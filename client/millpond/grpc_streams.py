@@ -4,7 +4,7 @@ A unary call pays gRPC's setup of a call (a new HTTP/2 stream, its headers,
 call objects on both sides) on top of its message: here about as much as a
 small push or sample itself. A message on a stream already open does not
 (``make bench`` prints the bare figures: about 1.5x the round trips). So the
-hot calls, PushBatch and Sample, go as messages of PushBatchStream and
+hot calls, PushBatch and Sample (of at most 64 KiB each way), go as messages of PushBatchStream and
 SampleStream, which the daemon answers one by one with the unary calls' code,
 with the same contract:
 
@@ -19,13 +19,17 @@ with the same contract:
   --stream-idle-s without a message) is replaced and the request sent again on
   the new one: nothing had been done.
 
-A stream ends with its thread, or when the client closes.
+A stream ends with its thread, or when the client closes. Before the process
+forks, idle streams are closed (gRPC skips its fork handlers while a call is
+open); the threads' next calls open new ones.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -36,6 +40,7 @@ from .wire.status import ERROR_CODE_KEY
 
 
 _ENDED = object()  # the stream ended without an error
+FORK_WAIT_S = 0.5  # a fork waits at most this for the streams it closed to end
 
 
 class StreamBroken(Exception):
@@ -62,8 +67,10 @@ class CallStream:
                             wait_for_ready=True)
         self.broken = False
         self.error: grpc.RpcError | None = None  # what ended it
-        threading.Thread(target=self._read, name=f"millpond-stream {address}".rstrip(),
-                         daemon=True).start()
+        self._busy = threading.Lock()  # held by a call under way
+        self.reader = threading.Thread(target=self._read, daemon=True,
+                                       name=f"millpond-stream {address}".rstrip())
+        self.reader.start()
 
     def _read(self) -> None:
         try:
@@ -83,19 +90,31 @@ class CallStream:
         grpc.RpcError if it ended with an error, DeadlineExceededError after
         ``timeout`` (the stream is cancelled then).
         """
-        if self.broken:
-            raise StreamBroken(self.error)
-        self._requests.put(request)
-        try:
-            reply = self._replies.get(timeout=max(0.0, timeout))
-        except queue.Empty:
-            self.close()
-            raise DeadlineExceededError(f"no reply within the deadline ({timeout:.3g} s)") from None
+        with self._busy:
+            if self.broken:
+                raise StreamBroken(self.error)
+            self._requests.put(request)
+            try:
+                reply = self._replies.get(timeout=max(0.0, timeout))
+            except queue.Empty:
+                self.close()
+                raise DeadlineExceededError(
+                    f"no reply within the deadline ({timeout:.3g} s)") from None
         if reply is _ENDED:  # ended before it read the request: nothing was done
             raise StreamBroken()
         if isinstance(reply, grpc.RpcError):
             raise reply
         return reply
+
+    def close_if_idle(self) -> bool:
+        """:meth:`close`, unless a call is under way on the stream; whether it closed."""
+        if not self._busy.acquire(blocking=False):
+            return False
+        try:
+            self.close()
+        finally:
+            self._busy.release()
+        return True
 
     def close(self) -> None:
         """End the stream: no more requests, and the call cancelled. Idempotent."""
@@ -113,6 +132,20 @@ class _Held:
         weakref.finalize(self, stream.close)
 
 
+_EVERY: "weakref.WeakSet[ThreadStreams]" = weakref.WeakSet()
+
+
+def _end_before_fork() -> None:
+    """Close the idle open streams before the process forks, and wait (briefly) for them
+    to end: gRPC skips its fork handlers while a call is open, as a stream is. Their
+    threads' next calls open new streams; calls under way are left alone."""
+    closed = [stream for every in list(_EVERY) for stream in every.open_streams()
+              if stream.close_if_idle()]
+    deadline = time.monotonic() + FORK_WAIT_S
+    for stream in closed:
+        stream.reader.join(max(0.0, deadline - time.monotonic()))
+
+
 class ThreadStreams:
     """Each thread's open stream of each method, made on first use."""
 
@@ -123,6 +156,12 @@ class ThreadStreams:
         self._all: weakref.WeakSet[CallStream] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._closed = False
+        _EVERY.add(self)
+
+    def open_streams(self) -> list[CallStream]:
+        """Every thread's streams that have not ended."""
+        with self._lock:
+            return [stream for stream in self._all if not stream.broken]
 
     def call(self, method: grpc.StreamStreamMultiCallable, request: Any, timeout: float) -> Any:
         """``method``'s reply to ``request`` on this thread's stream (see :class:`CallStream`);
@@ -178,3 +217,7 @@ def unary_fallback(error: grpc.RpcError) -> bool:
     return (error.code() == grpc.StatusCode.UNIMPLEMENTED
             and not any(key == ERROR_CODE_KEY for key, _ in trailers))
 
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_end_before_fork)

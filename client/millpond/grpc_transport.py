@@ -4,12 +4,17 @@ Bulk calls bypass the generated message classes: PushBatch requests and
 Sample replies travel as bytes framed by :mod:`millpond.wire.frames`, which
 copies column data once instead of three times.
 
+Small pushes and samples go as messages on streams each thread keeps open
+(:mod:`millpond.grpc_streams`), with the same contract as the unary calls,
+which every other call is (and these too, with a daemon that has no streams).
+
 Every call waits for the server to be ready, within its deadline: gRPC's
 ``wait_for_ready`` holds it while the server is not listening yet (a client
 started before its daemon), and a server still recovering its buffers
 answers :class:`~millpond.errors.ServerStartingError`, which is retried with
-backoff. Nothing else is retried: a push whose connection broke may or may
-not have been stored, and the caller must know.
+backoff. A message whose stream had ended before the daemon read it is sent
+again on a new stream. Nothing else is retried: a push whose connection broke
+may or may not have been stored, and the caller must know.
 
 Every call carries the client's metadata (``authorization: Bearer TOKEN``
 when it has a token, see :mod:`millpond.security`).

@@ -91,19 +91,13 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
             CALL.set(CallContext(method, context.peer(), request))
-            code = "UNKNOWN"
             try:
                 result = await inner(request, context)
-                code = _code(context) or "OK"
-                return result
-            except asyncio.CancelledError:
-                code = "CANCELLED"
+            except BaseException as error:
+                self._ended(method, _failure(error, context), start)
                 raise
-            except BaseException:
-                code = _code(context) or "UNKNOWN"
-                raise
-            finally:
-                self._ended(method, code, start)
+            self._ended(method, _code(context) or "OK", start)
+            return result
 
         return grpc.unary_unary_rpc_method_handler(
             observed, request_deserializer=handler.request_deserializer,
@@ -124,22 +118,16 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
                     CALL.set(CallContext(method, context.peer(), request))
                     yield request
 
-            code = "UNKNOWN"
             try:
                 async for reply in inner(pulled(), context):
                     assert started is not None
                     self._ended(method, "OK", started)
                     started = None
                     yield reply
-            except asyncio.CancelledError:
-                code = "CANCELLED"
-                raise
-            except BaseException:
-                code = _code(context) or "UNKNOWN"
-                raise
-            finally:
+            except BaseException as error:
                 if started is not None:  # the message whose error ended the stream
-                    self._ended(method, code, started)
+                    self._ended(method, _failure(error, context), started)
+                raise
 
         return observed
 
@@ -150,6 +138,13 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
             self.report("grpc", method, code, seconds)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("call", extra={"kv": {"code": code, "ms": round(seconds * 1e3, 3)}})
+
+
+def _failure(error: BaseException, context: grpc.aio.ServicerContext) -> str:
+    """The outcome of a call (or message) whose handler raised ``error``."""
+    if isinstance(error, asyncio.CancelledError):
+        return "CANCELLED"
+    return _code(context) or "UNKNOWN"
 
 
 def _code(context: grpc.aio.ServicerContext) -> str | None:

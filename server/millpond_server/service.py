@@ -17,6 +17,10 @@ Bulk paths avoid needless copies of multi-megabyte payloads:
 Pushes and samples of at most ``INLINE_BYTES`` run on the event loop when
 their buffer is free (:meth:`.Operations.admit_small`); larger ones, and
 all parsing and gathering of megabytes, on the engine pool.
+
+PushBatchStream and SampleStream carry PushBatch and Sample calls as the
+messages of one stream (:mod:`.streams`); each is served by the same handler.
+After a small plain sample, the next one is drawn ahead (:mod:`.ahead`).
 """
 
 from __future__ import annotations
