@@ -132,20 +132,6 @@ class _Held:
         weakref.finalize(self, stream.close)
 
 
-_EVERY: "weakref.WeakSet[ThreadStreams]" = weakref.WeakSet()
-
-
-def _end_before_fork() -> None:
-    """Close the idle open streams before the process forks, and wait (briefly) for them
-    to end: gRPC skips its fork handlers while a call is open, as a stream is. Their
-    threads' next calls open new streams; calls under way are left alone."""
-    closed = [stream for every in list(_EVERY) for stream in every.open_streams()
-              if stream.close_if_idle()]
-    deadline = time.monotonic() + FORK_WAIT_S
-    for stream in closed:
-        stream.reader.join(max(0.0, deadline - time.monotonic()))
-
-
 class ThreadStreams:
     """Each thread's open stream of each method, made on first use."""
 
@@ -217,6 +203,19 @@ def unary_fallback(error: grpc.RpcError) -> bool:
     return (error.code() == grpc.StatusCode.UNIMPLEMENTED
             and not any(key == ERROR_CODE_KEY for key, _ in trailers))
 
+
+_EVERY: weakref.WeakSet[ThreadStreams] = weakref.WeakSet()
+
+
+def _end_before_fork() -> None:
+    """Close the idle open streams before the process forks, and wait (briefly) for them
+    to end: gRPC skips its fork handlers while a call is open, as a stream is. Their
+    threads' next calls open new streams; calls under way are left alone."""
+    closed = [stream for every in list(_EVERY) for stream in every.open_streams()
+              if stream.close_if_idle()]
+    deadline = time.monotonic() + FORK_WAIT_S
+    for stream in closed:
+        stream.reader.join(max(0.0, deadline - time.monotonic()))
 
 
 if hasattr(os, "register_at_fork"):
