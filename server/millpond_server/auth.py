@@ -72,7 +72,6 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "List": _ALL,
     "Negotiate": _ALL,
 }
-METHOD_ROLES.update({f"{rpc}Stream": METHOD_ROLES[rpc] for rpc in ("PushBatch", "Sample")})
 # Fast-path op -> the RPCs it serves: it needs the roles of one of them (a
 # segment serves the ops that use it). Releasing a segment is always allowed.
 FASTPATH_OPS: dict[str, tuple[str, ...]] = {

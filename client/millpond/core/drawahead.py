@@ -18,6 +18,7 @@ from .config import BufferConfig
 from .draw import Uniform
 from .fifo import Fifo
 
+
 @dataclass(frozen=True)
 class Drawn:
     """A sample :meth:`TieredBuffer.draw_ahead` drew into ``out``, not yet served or
