@@ -29,7 +29,8 @@ from millpond.core import TieredBuffer
 from millpond.core.drawahead import Drawn
 from millpond.wire.inplace import BatchFrame
 
-from .operations import Operations, try_now
+from .operations import Operations
+from .waits import try_now
 
 MAX_SKIP = 64  # calls served without drawing ahead after useless draws, at most
 

@@ -50,6 +50,7 @@ from millpond.errors import (
 from millpond.malloc import release_free_memory
 
 from .auth import Auth
+from .waits import BufferChanges, WouldWait, try_now
 from .fatal import fatal_storage_error
 from .registry import Registry
 
@@ -71,46 +72,6 @@ RELEASE_AFTER_BYTES = 64 << 20
 RELEASE_DELAY_S = 0.5
 
 
-class WouldWait(Exception):
-    """An engine call tried with ``timeout=0`` found the rate limiter closed."""
-
-    def __init__(self, buffer: TieredBuffer, kind: str, records: int):
-        super().__init__(kind)
-        self.buffer, self.kind, self.records = buffer, kind, records
-
-
-def wait_budget(requested: float | None, remaining: float | None) -> float | None:
-    """Seconds a call may wait for a rate limiter: what it asked for (None: no
-    limit of its own), never past its deadline (``remaining`` seconds away)
-    less a margin, so that its caller gets our clear error rather than gRPC's."""
-    if remaining is None:
-        return requested
-    cap = max(0.0, remaining - min(0.05, remaining / 10))
-    return cap if requested is None else min(requested, cap)
-
-
-class _Changes:
-    """The event that wakes the loop's waiters on one buffer when it changes.
-
-    The buffer calls :meth:`changed` from any thread with its lock held;
-    only while someone waits does that cost a hop to the loop.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, buffer: TieredBuffer):
-        self.loop = loop
-        self.waiting = 0
-        self.event = asyncio.Event()
-        buffer.add_listener(self.changed)
-
-    def changed(self) -> None:
-        if self.waiting:
-            self.loop.call_soon_threadsafe(self._wake)
-
-    def _wake(self) -> None:
-        self.event.set()
-        self.event = asyncio.Event()
-
-
 class Operations:
     """The server's operations on its registry; see the module docstring."""
 
@@ -130,7 +91,7 @@ class Operations:
         # Told of every call and rate-limiter wait (the metrics), or None: see .metrics.
         self.observer: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None  # set by start()
-        self._changes: weakref.WeakKeyDictionary[TieredBuffer, _Changes] = \
+        self._changes: weakref.WeakKeyDictionary[TieredBuffer, BufferChanges] = \
             weakref.WeakKeyDictionary()
         # Buffers whose small calls go to the pool until then (admit_small).
         self._pooled_until: weakref.WeakKeyDictionary[TieredBuffer, float] = \
@@ -185,14 +146,41 @@ class Operations:
                    buffer: TieredBuffer | None = None, updates: Any = None) -> tuple[int, int]:
         """Store a batch now or raise WouldWait; return ``(size, pushed)`` after it.
         ``buffer``: the one named ``name``, if the caller has it already. ``updates``:
-        episode updates applied with it."""
+        episode updates applied with it.
+
+        On the loop (a small push) the push may be answered once it is logged
+        (core/pushlog.py): the loop stores it right after this call's turn, unless a
+        use of the buffer does first."""
         if buffer is None:
             buffer = self.registry.get(name)
         columns = dict(columns)  # an episodic push's ids ride in one more column
         episodes = columns.pop(EPISODE_COLUMN, None)
+        if self._on_loop():
+            after = try_now(buffer, buffer.push_logged, columns, priorities, episodes=episodes,
+                            updates=updates, timeout=0)
+            assert self.loop is not None
+            self.loop.call_soon(self._settle, buffer)
+            return after
         try_now(buffer, buffer.push_batch, columns, priorities, episodes=episodes,
                 updates=updates, timeout=0)
         return len(buffer), buffer.pushed
+
+    def _on_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:  # a pool thread, a fast-path session
+            return False
+
+    def _settle(self, buffer: TieredBuffer) -> None:
+        """Store ``buffer``'s logged push, if no other thread holds it (that one does), on
+        the loop: timed like a call there (see :meth:`ran_on_loop`). A storage error
+        stops the daemon, as it would have in the push."""
+        start = time.monotonic()
+        try:
+            buffer.settle(wait=False)
+        except Exception as exc:  # classify logs what it does not expect
+            self.classify(exc, "PushBatch")
+        self.ran_on_loop(buffer, start)
 
     def sample(self, name: str, batch_size: int, seed: int | None,
                out: Mapping[str, np.ndarray] | None = None,
@@ -358,7 +346,7 @@ class Operations:
         buffer = wait.buffer
         changes = self._changes.get(buffer)
         if changes is None:
-            changes = self._changes[buffer] = _Changes(loop, buffer)
+            changes = self._changes[buffer] = BufferChanges(loop, buffer)
         deadline = None if budget is None else start + budget
         changes.waiting += 1
         buffer.wait_started(wait.kind)
@@ -390,11 +378,3 @@ class Operations:
             f"{wait.kind} of {wait.records} records waited {waited:.3g} s for the rate limiter "
             f"until its timeout ({wait.buffer.describe_rate()}); pass a longer timeout",
             wait.kind, wait.records)
-
-
-def try_now(buffer: TieredBuffer, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """An engine call with ``timeout=0``; WouldWait if the rate limiter is closed."""
-    try:
-        return call(*args, **kwargs)
-    except RateLimitTimeoutError as exc:
-        raise WouldWait(buffer, exc.kind or "", exc.records or 0) from None

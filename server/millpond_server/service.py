@@ -55,7 +55,8 @@ from .ahead import SamplesAhead
 from .auth import ADMIN, bearer_token
 from .shm_listener import FastPathServer
 from .streams import CallStreams
-from .operations import INLINE_BYTES, Operations, wait_budget
+from .operations import INLINE_BYTES, Operations
+from .waits import wait_budget
 from .registry import check_name
 
 SERVICE_NAME = "millpond.v1.Replay"

@@ -6,30 +6,32 @@ proportional, use limits) and the rate limiter's state (:mod:`.ratelimit`),
 which makes pushes and samples wait, up to their ``timeout``, while they
 would break it.
 
-Thread-safe: one lock per buffer guards every public method.
+Thread-safe: one lock per buffer guards every public method. A daemon's small
+pushes may be acknowledged once logged and stored right after (:mod:`.pushlog`):
+taking the lock stores such a push first, so no use of the buffer sees it missing.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..errors import BufferClosedError, InvalidArgumentError, InvalidConfigError, NotEnoughDataError
+from ..errors import BufferClosedError, InvalidConfigError, NotEnoughDataError
 from .bufferfile import BufferFile
 from .fileops import sync_fd
-from .checks import check_batch_size, check_indices, check_priorities, check_seed, check_timeout
-from .config import BufferConfig, ConfiguredBuffer, check_exponent
+from .checks import check_batch_size, check_priorities, check_seed, check_timeout
+from .config import BufferConfig, ConfiguredBuffer
 from .contents import Contents
-from .draw import Proportional
 from .drawahead import DrawAhead
 from .episodic import EpisodicReads
 from .footprint import hot_nbytes, memory_needed, slot_arrays_for
 from .memory import available_memory, check_available, memory_limit
 from .fifo import Fifo
+from .loggedpush import LoggedPushes, SettlingLock
+from .prioritized import PriorityUpdates
 from .fileops import temp_path
 from .info import BufferInfo
 from .ratelimit import RateState, RateWaits
@@ -37,7 +39,8 @@ from .recovery import recover
 from .tier import Tier
 
 
-class TieredBuffer(DrawAhead, EpisodicReads, Contents, RateWaits, ConfiguredBuffer):
+class TieredBuffer(LoggedPushes, PriorityUpdates, DrawAhead, EpisodicReads, Contents,
+                   RateWaits, ConfiguredBuffer):
     """Hot ring + cold mapped-file ring behind one FIFO, as ``config`` describes.
 
     ``total_capacity == hot_capacity`` means no cold tier: the record leaving
@@ -121,7 +124,9 @@ class TieredBuffer(DrawAhead, EpisodicReads, Contents, RateWaits, ConfiguredBuff
             available = available_memory()
             self.hot_locked = fifo.file.settle(lock_hot=persistent and (
                 available is None or hot_nbytes(config, persistent) <= available))
-        self._lock = threading.RLock()  # re-entrant: see Operations.admit_small (server)
+        self._logged: int | None = None  # records in the push log, not yet stored
+        # Re-entrant (see Operations.admit_small, server); stores a logged push when taken.
+        self._lock = SettlingLock(self, TieredBuffer._store_logged)
         self._rate = RateState(config.rate_limiter, self._lock)
         self._closed = False
         self._rng = np.random.default_rng()
@@ -141,6 +146,8 @@ class TieredBuffer(DrawAhead, EpisodicReads, Contents, RateWaits, ConfiguredBuff
     @property
     def pushed(self) -> int:
         """Records ever pushed, including evicted ones."""
+        if self._logged is not None:
+            self.settle()
         return self._fifo.pushed
 
     @property
@@ -149,6 +156,8 @@ class TieredBuffer(DrawAhead, EpisodicReads, Contents, RateWaits, ConfiguredBuff
 
     def __len__(self) -> int:
         self._check_open()
+        if self._logged is not None:
+            self.settle()
         return self._size()
 
     def _size(self) -> int:
@@ -204,7 +213,9 @@ class TieredBuffer(DrawAhead, EpisodicReads, Contents, RateWaits, ConfiguredBuff
         return n
 
     def _store(self, n: int, batch: Mapping[str, np.ndarray], priorities: Any, episodes: Any,
-               updates: Any, timeout: float | None) -> None:
+               updates: Any, timeout: float | None, log: bool = False) -> tuple[int, int]:
+        """Append a coerced batch; ``(size, pushed)`` after it. ``log``: see
+        :meth:`push_logged`."""
         timeout = check_timeout(timeout)
         if priorities is not None:
             self._proportional()
@@ -218,41 +229,19 @@ class TieredBuffer(DrawAhead, EpisodicReads, Contents, RateWaits, ConfiguredBuff
             if n and limiter is not None:
                 self._rate.wait_until("insert", n, lambda: self._rate.can_insert(n, self._size()),
                                       timeout, self._size, self._check_open)
-            old, new = self._fifo.append(n, batch, before_commit)
-            self._strategy.appended(old, new, priorities)
-            self._rate.inserts += n
-            self._rate.changed()
+            if log and priorities is None and before_commit is None and self._log(n, batch):
+                return self._fifo.size_after(n), self._fifo.pushed + n
+            self._append(n, batch, before_commit, priorities)
+            return self._size(), self._fifo.pushed
 
-    def update_priorities(self, indices: Any, priorities: Any) -> int:
-        """Set new priorities for sampled records; returns how many were still live.
-
-        ``indices`` are the ``indices`` a sample returned. Records evicted (or
-        used up) since then are ignored: their slot may hold a newer record.
-        """
-        proportional = self._proportional()
-        assert proportional is not None  # required: raised otherwise
-        seqs = check_indices(indices)
-        values = check_priorities(priorities, len(seqs))
-        with self._lock:
-            self._check_open()
-            live = self._fifo.is_live(seqs)
-            live[live] &= self._strategy.drawable(seqs[live])
-            proportional.update(seqs[live], values[live])
-            return int(live.sum())
-
-    def set_beta(self, beta: float) -> None:
-        """Set the importance-sampling exponent (anneal it towards 1)."""
-        proportional = self._proportional()
-        assert proportional is not None  # required: raised otherwise
-        proportional.beta = check_exponent("beta", beta)
-
-    def _proportional(self, required: bool = True) -> Proportional | None:
-        strategy = getattr(self._strategy, "inner", self._strategy)
-        if isinstance(strategy, Proportional):
-            return strategy
-        if required:
-            raise InvalidArgumentError("priorities are for prioritized buffers; this one is uniform")
-        return None
+    def _append(self, n: int, batch: Mapping[str, np.ndarray],
+                before_commit: Callable[[int, int], None] | None = None,
+                priorities: np.ndarray | None = None) -> None:
+        """Store a batch admitted in full (lock held)."""
+        old, new = self._fifo.append(n, batch, before_commit)
+        self._strategy.appended(old, new, priorities)
+        self._rate.inserts += n
+        self._rate.changed()
 
     # ---- reads ----------------------------------------------------------------
 

@@ -17,7 +17,8 @@ Layout (all integers little-endian)::
                         "cold_capacity", "persistent", ["slot_arrays": {name: dtype}],
                         "regions": {name: [offset, nbytes]}}
     then one page-aligned region per tier and field, one per tier for seq,
-    and one per slot array ("slot:<name>", ``total_capacity`` elements)
+    one per slot array ("slot:<name>", ``total_capacity`` elements), and in a
+    persistent file the push log ("#log", see :mod:`.pushlog`)
 
 The commit point of a push is its counter: written, after the records, to the
 slot the next generation names (A, B, A, ...) with a checksum. A crash in the
@@ -28,9 +29,8 @@ are ignored, so an interrupted push is absent, never half present.
 Slot arrays are side arrays with one element per record slot of the whole
 FIFO (``seq % total_capacity``), e.g. the priorities of a prioritized buffer.
 They are plain mapped memory: what is written there is not part of the
-commit, and their owner decides what a stale or damaged element means. A
-file without them (older ones) has no "slot_arrays" key; a reader that does
-not know the key ignores it, so the format version is unchanged.
+commit; their owner decides what a stale or damaged element means. A version
+2 file (no push log) is read as before.
 
 The whole file is allocated with ``posix_fallocate`` at creation: a full disk
 fails there with :class:`StorageFullError` (the partial file is removed)
@@ -57,10 +57,11 @@ from .memory import keep_resident
 from .fileops import (CREATE_FLAGS, allocate, check_free_space, fsync_directory, sync_fd,
                       unlink_quietly)
 from .coldio import TierFile
+from .pushlog import LOG_REGION, PushLog, log_region_nbytes
 from .tier import CHECKSUM_REGION, SEQ_DTYPE, SEQ_REGION, Tier
 
 MAGIC = b"MILLPOND"
-FORMAT_VERSION = 2
+FORMAT_VERSION, READABLE_VERSIONS = 3, (2, 3)  # version 3 added the push log
 PAGE = mmap.PAGESIZE
 _PREFIX = struct.Struct("<8sIII")  # magic, version, header size, json length
 _COUNTERS = struct.Struct("<QQQQ")  # generation, pushed, first, hot_lo
@@ -117,6 +118,7 @@ def _plan(schema: Schema, hot_capacity: int, total_capacity: int, persistent: bo
     sizes = _region_sizes(schema, cold_capacity, "", persistent) if cold_capacity else []
     if persistent:
         sizes += _region_sizes(schema, hot_capacity, HOT_PREFIX, True)
+        sizes.append((LOG_REGION, log_region_nbytes(schema)))
     if checked:
         meta["slot_arrays"] = checked
         sizes += [(SLOT_PREFIX + name, total_capacity * np.dtype(dtype).itemsize)
@@ -154,6 +156,7 @@ class BufferFile:
                                 regions[SLOT_PREFIX + name][0])
             for name, dtype in meta.get("slot_arrays", {}).items()
         }
+        self.log = PushLog.in_file(mm, regions, schema)  # None in a version 2 file
 
     def settle(self, lock_hot: bool) -> bool:
         """Arrange what stays in memory: the cold tier is read in random order (no
@@ -312,9 +315,9 @@ class BufferFile:
         """Unmap and close; remove the file when ``delete``. Idempotent."""
         if self._mm is None:
             return
-        for tier in (self.tier, self.hot_tier):
-            if tier is not None:
-                tier.release()  # views into the map must go before it closes
+        for part in (self.tier, self.hot_tier, self.log):
+            if part is not None:
+                part.release()  # views into the map must go before it closes
         self._slot_arrays = {}
         self._mm.close()
         os.close(self._fd)
@@ -329,8 +332,8 @@ def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema]:
     magic, version, header, length = _PREFIX.unpack_from(mm, 0)
     if magic != MAGIC:
         raise CorruptFileError(f"{path}: not a millpond buffer file (bad magic)")
-    if version != FORMAT_VERSION:
-        raise CorruptFileError(f"{path}: format version {version}, expected {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise CorruptFileError(f"{path}: format version {version}, not one of {READABLE_VERSIONS}")
     if not _JSON_OFFSET + length <= header <= len(mm):
         raise CorruptFileError(f"{path}: damaged header (metadata length {length})")
     try:

@@ -40,7 +40,7 @@ _ROTATION = 7
 # row costs more than a few whole-column XORs.
 _SHORT_ROW = 16
 # A row of exactly this many bytes is one word: its fold, without a copy.
-_ONE_WORD = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_ONE_WORD: dict[int, np.dtype] = {n: np.dtype(f"<u{n}") for n in (1, 2, 4, 8)}
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
