@@ -20,7 +20,9 @@ owns the rules they share:
   to the same loop (:meth:`Operations.admit_from_thread`);
 * **where calls run**: engine calls go to a thread pool, except small gRPC
   pushes and samples, which run on the loop when their buffer is free
-  (:meth:`Operations.admit_small`): they take less time than the hop.
+  (:meth:`Operations.admit_small`): they take less time than the hop. A push
+  there is answered once logged, and stored on the loop right after
+  (:meth:`Operations.push_batch`).
 """
 
 from __future__ import annotations
@@ -254,7 +256,7 @@ class Operations:
         wait. ``fn`` must use no other buffer, and do no I/O but the buffer's.
         """
         start = time.monotonic()
-        lock = buffer._lock  # an RLock (core/buffer.py), for this
+        lock = buffer._lock  # re-entrant (core/loggedpush.py: SettlingLock), for this
         if self._pooled_until.get(buffer, 0.0) > start or not lock.acquire(blocking=False):
             return await self.admit(budget, fn, *args, held=held)
         try:

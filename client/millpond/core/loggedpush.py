@@ -15,14 +15,12 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .config import BufferConfig
 from .fifo import Fifo
 
 
 class LoggedPushes:
     """:meth:`push_logged` and :meth:`settle`, for :class:`.buffer.TieredBuffer`."""
 
-    config: BufferConfig
     _fifo: Fifo
     _lock: Any
     _closed: bool

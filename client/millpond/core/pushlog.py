@@ -41,7 +41,8 @@ from .schema import Schema
 
 LOG_REGION = "#log"  # the region's name in a file's table (not an identifier: no field's)
 LOG_PAYLOAD_BYTES = 256 << 10  # the largest batch a push log takes (a daemon's small push)
-_HEADER = struct.Struct("<QQQI")  # first, records, payload bytes, payload crc
+_HEADER = struct.Struct("<QQQI")  # first, records, payload bytes, payload crc32
+_HEADER_NBYTES = _HEADER.size + 4  # and the header's own crc32
 _PAYLOAD_OFFSET = 64
 
 
@@ -93,9 +94,8 @@ class PushLog:
     def read(self) -> tuple[int, int, dict[str, np.ndarray]] | None:
         """The logged push ``(first seq, records, batch)``, its columns copied out; None if
         the log holds none or it fails its checks (cleared, or torn by a machine crash)."""
-        words = _HEADER.unpack_from(self._mm, self._offset)
+        first, n, nbytes, payload_crc = _HEADER.unpack_from(self._mm, self._offset)
         (crc,) = struct.unpack_from("<I", self._mm, self._offset + _HEADER.size)
-        first, n, nbytes, payload_crc = words
         if (crc != zlib.crc32(self._mm[self._offset : self._offset + _HEADER.size])
                 or nbytes != self._payload_nbytes(n) or not self.fits(n) or not n
                 or payload_crc != zlib.crc32(self._payload[:nbytes].data)):
@@ -115,7 +115,7 @@ class PushLog:
 
     def clear(self) -> None:
         """Forget the logged push (stored now): a zeroed header fails its crc."""
-        self._mm[self._offset : self._offset + _HEADER.size + 4] = bytes(_HEADER.size + 4)
+        self._mm[self._offset : self._offset + _HEADER_NBYTES] = bytes(_HEADER_NBYTES)
 
     def release(self) -> None:
         """Drop the view of the mapping (before it is closed)."""
@@ -123,5 +123,5 @@ class PushLog:
 
     def _write_header(self, first: int, n: int, nbytes: int, payload_crc: int) -> None:
         header = _HEADER.pack(first, n, nbytes, payload_crc)
-        self._mm[self._offset : self._offset + _HEADER.size + 4] = (
+        self._mm[self._offset : self._offset + _HEADER_NBYTES] = (
             header + struct.pack("<I", zlib.crc32(header)))
