@@ -433,9 +433,7 @@ def auth_section(tmp: Path, seconds: float) -> None:
 def no_storage_server(data_dir: Path) -> ServerProcess:
     """A daemon with its storage work patched out (bench/no_storage.py), for the ceiling
     of the gRPC rows."""
-    server = ServerProcess(data_dir)
-    server.args[1:3] = [str(Path(__file__).with_name("no_storage.py"))]  # not -m millpond_server
-    return server
+    return ServerProcess(data_dir, script=Path(__file__).with_name("no_storage.py"))
 
 
 def grpc_section(address: str, tmp: Path, quick: bool, seconds: float) -> None:

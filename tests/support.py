@@ -25,11 +25,14 @@ class ServerProcess:
     """
 
     def __init__(self, data_dir: Path, *extra_args: str, env: dict | None = None,
-                 cgroup: "MemoryCgroup | None" = None):
+                 cgroup: "MemoryCgroup | None" = None, script: str | os.PathLike | None = None):
+        """``script``: a daemon script to run instead of ``-m millpond_server`` (a patched
+        daemon, taking the same arguments)."""
         self.data_dir = Path(data_dir)
         self.cgroup = cgroup  # the daemon runs inside it
         self.args = [
-            sys.executable, "-m", "millpond_server", "serve",
+            sys.executable, *(["-m", "millpond_server"] if script is None else [os.fspath(script)]),
+            "serve",
             "--host", "127.0.0.1", "--port", "0", "--data-dir", str(self.data_dir),
             *extra_args,
         ]

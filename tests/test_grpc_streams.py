@@ -102,9 +102,7 @@ def test_a_daemon_that_does_not_answer_gets_a_deadline_error_then_a_new_stream(t
 
 
 def test_a_daemon_without_streams_gets_unary_calls(tmp_path):
-    server = ServerProcess(tmp_path / "data")
-    server.args[1:3] = [WITHOUT_STREAMS]  # instead of -m millpond_server
-    with server:
+    with ServerProcess(tmp_path / "data", script=WITHOUT_STREAMS) as server:
         client = millpond.connect(server.address, shm=False)
         buf = client.create_buffer("older", capacity=100, obs_dim=2, act_dim=1)
         buf.push_batch(**transitions(0, 8))

@@ -20,7 +20,6 @@ At most one drawn reply (at most ``INLINE_BYTES``) is held per buffer.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import weakref
 from dataclasses import dataclass
@@ -72,17 +71,16 @@ class SamplesAhead:
     def draw_next(self, buffer: TieredBuffer, frame: BatchFrame, batch_size: int) -> None:
         """Draw the next sample of ``batch_size`` once the running call is done, if this
         runs on the loop (a call on the pool found the buffer busy: no more work for it)."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
+        if not self.ops.on_loop():
             return
+        assert self.ops.loop is not None
         ahead = self._buffers.get(buffer)
         if ahead is None:
             ahead = self._buffers[buffer] = _Ahead()
         if ahead.skip:
             ahead.skip -= 1
             return
-        loop.call_soon(self._draw, buffer, ahead, frame, batch_size)
+        self.ops.loop.call_soon(self._draw, buffer, ahead, frame, batch_size)
 
     def _draw(self, buffer: TieredBuffer, ahead: _Ahead, frame: BatchFrame,
               batch_size: int) -> None:

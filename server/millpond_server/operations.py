@@ -157,7 +157,7 @@ class Operations:
             buffer = self.registry.get(name)
         columns = dict(columns)  # an episodic push's ids ride in one more column
         episodes = columns.pop(EPISODE_COLUMN, None)
-        if self._on_loop():
+        if self.on_loop():
             after = try_now(buffer, buffer.push_logged, columns, priorities, episodes=episodes,
                             updates=updates, timeout=0)
             assert self.loop is not None
@@ -167,7 +167,8 @@ class Operations:
                 updates=updates, timeout=0)
         return len(buffer), buffer.pushed
 
-    def _on_loop(self) -> bool:
+    def on_loop(self) -> bool:
+        """Whether this runs on the daemon's event loop (else a pool or session thread)."""
         try:
             return asyncio.get_running_loop() is self.loop
         except RuntimeError:  # a pool thread, a fast-path session

@@ -146,8 +146,7 @@ class TieredBuffer(LoggedPushes, PriorityUpdates, DrawAhead, EpisodicReads, Cont
     @property
     def pushed(self) -> int:
         """Records ever pushed, including evicted ones."""
-        if self._logged is not None:
-            self.settle()
+        self.settle()  # a logged push counts
         return self._fifo.pushed
 
     @property
@@ -156,8 +155,7 @@ class TieredBuffer(LoggedPushes, PriorityUpdates, DrawAhead, EpisodicReads, Cont
 
     def __len__(self) -> int:
         self._check_open()
-        if self._logged is not None:
-            self.settle()
+        self.settle()  # a logged push counts
         return self._size()
 
     def _size(self) -> int:

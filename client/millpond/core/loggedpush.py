@@ -51,7 +51,8 @@ class LoggedPushes:
     def settle(self, wait: bool = True) -> None:
         """Store the logged push now, if there is one. ``wait=False``: only if no other
         thread holds the lock (whoever holds it has stored it, or will first)."""
-        if self._lock.acquire(blocking=wait):  # taking it stores the push (SettlingLock)
+        # Taking the lock stores the push (SettlingLock).
+        if self._logged is not None and self._lock.acquire(blocking=wait):
             self._lock.release()
 
     def _log(self, n: int, batch: Mapping[str, np.ndarray]) -> bool:
@@ -69,8 +70,9 @@ class LoggedPushes:
 
     def _store_logged(self) -> None:
         """Store the logged push, if any, and clear the log (the lock's settle: held)."""
-        n, self._logged = self._logged, None
+        n = self._logged
         if n is not None and not self._closed:
+            self._logged = None
             log = self._fifo.file.log if self._fifo.file is not None else None
             assert log is not None  # only a file with a log logs
             self._append(n, log.columns(n))
