@@ -22,18 +22,29 @@ from stable_baselines3.common import buffers as sb3_buffers  # noqa: E402
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: E402
 
 from millpond.integrations import sb3 as mp_sb3  # noqa: E402
+from support import ServerProcess  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("private_tmpdir")  # SB3 logs go there
 
 _names = itertools.count()
 
 
-@pytest.fixture(params=["local", "server"])
-def where(request, shared_server):
-    """Keyword arguments that put the adapter in-process or on the shared server."""
+@pytest.fixture(scope="module")
+def grpc_server(tmp_path_factory):
+    """A daemon without the shared-memory fast path: adds go over gRPC, in flight."""
+    with ServerProcess(tmp_path_factory.mktemp("grpc") / "data", "--no-shm") as proc:
+        yield proc
+
+
+@pytest.fixture(params=["local", "server", "server-grpc"])
+def where(request):
+    """Keyword arguments that put the adapter in-process, on the shared server (same
+    host: shared memory), or on a server it reaches over gRPC only (adds in flight)."""
     if request.param == "local":
         return {}
-    return {"address": shared_server.address, "name": f"sb3-{next(_names)}"}
+    server = request.getfixturevalue("shared_server" if request.param == "server"
+                                     else "grpc_server")
+    return {"address": server.address, "name": f"sb3-{next(_names)}"}
 
 
 def feed(buffers, n_steps, n_envs, obs_space, act_space, rng, timeout_every=7, done_every=5):

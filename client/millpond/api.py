@@ -26,18 +26,19 @@ from .handle import Buffer, PrioritizedBuffer
 
 def _backend(config: BufferConfig, address: str | Sequence[str] | None, name: str | None,
              path: str | os.PathLike | None = None, persistent: bool = False,
-             token: str | None = None) -> Any:
+             token: str | None = None, max_in_flight: int = 1) -> Any:
     """The engine in-process, or the server's buffer ``name`` at ``address``
     (server buffers are always persistent, in the server's data directory).
-    ``token`` (default ``MILLPOND_TOKEN``) and the ``MILLPOND_TLS_*`` variables
-    are those of :func:`millpond.connect`."""
+    ``token`` (default ``MILLPOND_TOKEN``), ``max_in_flight`` and the
+    ``MILLPOND_TLS_*`` variables are those of :func:`millpond.connect` (in-process,
+    every push is stored before it returns, whatever ``max_in_flight`` says)."""
     if address is None:
         if token is not None:
             raise InvalidConfigError("token= is for a server's buffer (with address=)")
         return TieredBuffer(config, path, persistent=persistent)
     if not name:
         raise InvalidConfigError("a remote buffer needs name= as well as address=")
-    return connect(address, token=token).remote_buffer(name, config)
+    return connect(address, token=token, max_in_flight=max_in_flight).remote_buffer(name, config)
 
 
 class ReplayBuffer(Buffer):
@@ -46,8 +47,9 @@ class ReplayBuffer(Buffer):
     ``ReplayBuffer(capacity, obs_dim, act_dim)`` stores reference transitions;
     ``ReplayBuffer(capacity, fields={name: (dtype, shape)})`` any schema. With
     ``address=`` and ``name=``, the buffer lives on a millpond server;
-    ``token=`` (default ``MILLPOND_TOKEN``) authenticates to it, and TLS
-    comes from ``MILLPOND_TLS_*`` (see :func:`millpond.connect`).
+    ``token=`` (default ``MILLPOND_TOKEN``) authenticates to it, TLS comes
+    from ``MILLPOND_TLS_*``, and ``max_in_flight=N`` lets N pushes be sent
+    before the first is acknowledged (see :func:`millpond.connect`).
 
     How it is sampled (all buffer classes take these):
 
@@ -82,6 +84,7 @@ class ReplayBuffer(Buffer):
         max_times_sampled: int | None = None,
         rate_limiter: RateLimiter | None = None,
         token: str | None = None,
+        max_in_flight: int = 1,
         episodes: bool = False,
         meta_fields: Mapping[str, Any] | None = None,
     ):
@@ -89,7 +92,8 @@ class ReplayBuffer(Buffer):
             capacity=capacity, obs_dim=obs_dim, act_dim=act_dim, fields=fields, mode=mode,
             max_times_sampled=max_times_sampled, rate_limiter=rate_limiter, episodes=episodes,
             meta_fields=meta_fields)
-        super().__init__(_backend(config, address, name, token=token))
+        super().__init__(_backend(config, address, name, token=token,
+                                  max_in_flight=max_in_flight))
 
 
 class MmapReplayBuffer(Buffer):
@@ -118,6 +122,7 @@ class MmapReplayBuffer(Buffer):
         max_times_sampled: int | None = None,
         rate_limiter: RateLimiter | None = None,
         token: str | None = None,
+        max_in_flight: int = 1,
         episodes: bool = False,
         meta_fields: Mapping[str, Any] | None = None,
     ):
@@ -125,7 +130,8 @@ class MmapReplayBuffer(Buffer):
             hot_capacity=hot_capacity, total_capacity=total_capacity, obs_dim=obs_dim,
             act_dim=act_dim, fields=fields, mode=mode, max_times_sampled=max_times_sampled,
             rate_limiter=rate_limiter, episodes=episodes, meta_fields=meta_fields)
-        super().__init__(_backend(config, address, name, cold_path, persistent, token))
+        super().__init__(_backend(config, address, name, cold_path, persistent, token,
+                                  max_in_flight))
 
     @classmethod
     def open(
@@ -192,6 +198,7 @@ class PrioritizedReplayBuffer(PrioritizedBuffer):
         max_times_sampled: int | None = None,
         rate_limiter: RateLimiter | None = None,
         token: str | None = None,
+        max_in_flight: int = 1,
         episodes: bool = False,
         meta_fields: Mapping[str, Any] | None = None,
     ):
@@ -200,4 +207,5 @@ class PrioritizedReplayBuffer(PrioritizedBuffer):
             obs_dim=obs_dim, act_dim=act_dim, fields=fields, prioritized=True, alpha=alpha,
             beta=beta, max_times_sampled=max_times_sampled, rate_limiter=rate_limiter,
             episodes=episodes, meta_fields=meta_fields)
-        super().__init__(_backend(config, address, name, cold_path, token=token))
+        super().__init__(_backend(config, address, name, cold_path, token=token,
+                                  max_in_flight=max_in_flight))

@@ -43,6 +43,8 @@ DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_MESSAGE_MB = 512
 DEFAULT_PUSH_BATCH_SIZE = 256
 DEFAULT_PUSH_MAX_DELAY = 0.05
+DEFAULT_MAX_IN_FLIGHT = 1
+MAX_IN_FLIGHT = 1024  # a window holds its requests until acknowledged: bounded
 KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
 # Connections a forked child inherited from its parent (see Client.connection).
@@ -57,6 +59,7 @@ def connect(
     shm: bool | str = "auto",
     push_batch_size: int = DEFAULT_PUSH_BATCH_SIZE,
     push_max_delay: float | None = DEFAULT_PUSH_MAX_DELAY,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     token: str | None = None,
     tls: bool | None = None,
     tls_ca: str | os.PathLike | None = None,
@@ -84,6 +87,17 @@ def connect(
     seconds (None: only by count and ``flush()``); 1 sends every push at once.
     Queued records are acknowledged only when flushed.
 
+    ``max_in_flight``: pushes (``push_batch`` calls, and batches of queued
+    ``push`` calls) each handle may have sent and not yet had acknowledged.
+    1 (default): a push returns once the server has stored it. N > 1 over gRPC
+    (Reverb's ``max_in_flight_items``): a push returns once sent, the server
+    stores a handle's pushes in the order sent, and an actor keeps the server
+    busy instead of waiting a round trip per push. ``flush()`` waits for every
+    acknowledgement; a failed push is raised by the handle's next call (every
+    other call flushes first, so it sees the handle's pushes) or ``flush()``.
+    Over shared memory, and for sharded buffers, pushes are acknowledged one
+    by one whatever this says.
+
     ``token``: sent with every call (``authorization: Bearer TOKEN``) to a
     server that requires one; default ``MILLPOND_TOKEN``. ``tls=True``
     speaks TLS, verifying the server with the system's roots or the PEM file
@@ -96,8 +110,8 @@ def connect(
     """
     settings: dict[str, Any] = dict(
         timeout=timeout, max_message_mb=max_message_mb, shm=shm, push_batch_size=push_batch_size,
-        push_max_delay=push_max_delay, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
-        tls_key=tls_key)
+        push_max_delay=push_max_delay, max_in_flight=max_in_flight, token=token, tls=tls,
+        tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
     if not isinstance(address, str) or address.startswith("dns:///"):
         from .sharded import ShardedClient
 
@@ -111,7 +125,8 @@ class Client(BufferMaker):
     def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT,
                  max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, shm: bool | str = "auto",
                  push_batch_size: int = DEFAULT_PUSH_BATCH_SIZE,
-                 push_max_delay: float | None = DEFAULT_PUSH_MAX_DELAY, token: str | None = None,
+                 push_max_delay: float | None = DEFAULT_PUSH_MAX_DELAY,
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, token: str | None = None,
                  tls: bool | None = None, tls_ca: str | os.PathLike | None = None,
                  tls_cert: str | os.PathLike | None = None,
                  tls_key: str | os.PathLike | None = None):
@@ -121,6 +136,10 @@ class Client(BufferMaker):
             raise InvalidConfigError(f"shm must be True, False or 'auto', got {shm!r}")
         if not isinstance(push_batch_size, int) or push_batch_size < 1:
             raise InvalidConfigError(f"push_batch_size must be >= 1, got {push_batch_size!r}")
+        if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or not (
+                1 <= max_in_flight <= MAX_IN_FLIGHT):
+            raise InvalidConfigError(
+                f"max_in_flight must be an int in [1, {MAX_IN_FLIGHT}], got {max_in_flight!r}")
         if not is_real(timeout) or isinstance(timeout, bool) or not 0 < timeout < float("inf"):
             raise InvalidConfigError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
         self.address = address
@@ -128,6 +147,7 @@ class Client(BufferMaker):
         self.shm = shm
         self.push_batch_size = push_batch_size
         self.push_max_delay = push_max_delay
+        self.max_in_flight = max_in_flight
         self.max_message_bytes = int(max_message_mb) * 1024 * 1024
         self.credentials = Credentials.resolve(token, tls, tls_ca, tls_cert, tls_key)
         self._lock = threading.Lock()
@@ -137,7 +157,8 @@ class Client(BufferMaker):
     def __reduce__(self):
         settings = dict(timeout=self.timeout, max_message_mb=self.max_message_bytes >> 20,
                         shm=self.shm, push_batch_size=self.push_batch_size,
-                        push_max_delay=self.push_max_delay, **self.credentials.settings())
+                        push_max_delay=self.push_max_delay, max_in_flight=self.max_in_flight,
+                        **self.credentials.settings())
         return (_rebuild_client, (self.address, settings))
 
     @property

@@ -67,7 +67,9 @@ class CallStream:
                             wait_for_ready=True)
         self.broken = False
         self.error: grpc.RpcError | None = None  # what ended it
-        self._busy = threading.Lock()  # held by a call under way
+        # Held by a call under way, or by a window sending and receiving (PushWindow).
+        self.busy = threading.Lock()
+        self.outstanding = 0  # requests sent, replies not yet received
         self.reader = threading.Thread(target=self._read, daemon=True,
                                        name=f"millpond-stream {address}".rstrip())
         self.reader.start()
@@ -90,16 +92,31 @@ class CallStream:
         grpc.RpcError if it ended with an error, DeadlineExceededError after
         ``timeout`` (the stream is cancelled then).
         """
-        with self._busy:
-            if self.broken:
-                raise StreamBroken(self.error)
-            self._requests.put(request)
-            try:
-                reply = self._replies.get(timeout=max(0.0, timeout))
-            except queue.Empty:
-                self.close()
-                raise DeadlineExceededError(
-                    f"no reply within the deadline ({timeout:.3g} s)") from None
+        with self.busy:
+            self.send(request)
+            return self.receive(timeout)
+
+    def send(self, request: Any) -> None:
+        """Put ``request`` on the stream without waiting for its reply (the caller holds
+        :attr:`busy`; replies come in order, each taken by :meth:`receive`).
+        StreamBroken if the stream has ended."""
+        if self.broken:
+            raise StreamBroken(self.error)
+        self._requests.put(request)
+        self.outstanding += 1
+
+    def receive(self, timeout: float) -> Any:
+        """The reply to the oldest request sent and not yet answered; raises as :meth:`call`.
+        The end of the stream is sticky: every later receive sees it too."""
+        try:
+            reply = self._replies.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            self.close()
+            raise DeadlineExceededError(
+                f"no reply within the deadline ({timeout:.3g} s)") from None
+        self.outstanding -= 1
+        if reply is _ENDED or isinstance(reply, grpc.RpcError):
+            self._replies.put(reply)
         if reply is _ENDED:  # ended before it read the request: nothing was done
             raise StreamBroken()
         if isinstance(reply, grpc.RpcError):
@@ -107,13 +124,15 @@ class CallStream:
         return reply
 
     def close_if_idle(self) -> bool:
-        """:meth:`close`, unless a call is under way on the stream; whether it closed."""
-        if not self._busy.acquire(blocking=False):
+        """:meth:`close`, unless a call is under way or replies are due; whether it closed."""
+        if not self.busy.acquire(blocking=False):
             return False
         try:
+            if self.outstanding:
+                return False
             self.close()
         finally:
-            self._busy.release()
+            self.busy.release()
         return True
 
     def close(self) -> None:
@@ -174,13 +193,17 @@ class ThreadStreams:
             held = self._local.held = {}
         entry = held.get(method)
         if entry is None:
-            with self._lock:  # not while close() runs: every stream made is closed
-                if self._closed:
-                    raise ValueError("Cannot invoke RPC on closed channel!")  # as gRPC says
-                entry = held[method] = _Held(CallStream(method, self.metadata,
-                                                        self.address))
-                self._all.add(entry.stream)
+            entry = held[method] = _Held(self.open(method))
         return entry.stream
+
+    def open(self, method: grpc.StreamStreamMultiCallable) -> CallStream:
+        """A new stream of ``method``, closed with the others (:meth:`close`, a fork)."""
+        with self._lock:  # not while close() runs: every stream made is closed
+            if self._closed:
+                raise ValueError("Cannot invoke RPC on closed channel!")  # as gRPC says
+            stream = CallStream(method, self.metadata, self.address)
+            self._all.add(stream)
+        return stream
 
     def _forget(self, method: grpc.StreamStreamMultiCallable) -> None:
         entry = self._local.held.pop(method, None)

@@ -34,6 +34,7 @@ from .core.info import BufferInfo
 from .core.schema import Schema
 from .errors import DeadlineExceededError, MessageTooLargeError, ServerStartingError
 from .grpc_streams import ThreadStreams, unary_fallback
+from .push_window import PushWindow
 from .v1 import replay_pb2 as pb
 from .v1 import replay_pb2_grpc as pb_grpc
 from .wire.codec import config_to_proto, info_from_proto
@@ -85,10 +86,11 @@ class GrpcTransport:
         # The same two calls as messages on open streams (see grpc_streams), unless the
         # daemon is too old to have them.
         self._streams = ThreadStreams(metadata, address)
+        self._push_stream = channel.stream_stream(
+            "/millpond.v1.Replay/PushBatchStream", request_serializer=None,
+            response_deserializer=pb.PushReply.FromString)
         self._streamed: dict[Callable, grpc.StreamStreamMultiCallable] | None = {
-            self._push_batch: channel.stream_stream(
-                "/millpond.v1.Replay/PushBatchStream", request_serializer=None,
-                response_deserializer=pb.PushReply.FromString),
+            self._push_batch: self._push_stream,
             self._sample: channel.stream_stream(
                 "/millpond.v1.Replay/SampleStream", request_serializer=None,
                 response_deserializer=None),
@@ -160,7 +162,9 @@ class GrpcTransport:
 
     def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
                    priorities: np.ndarray | None, timeout: float, deadline: float,
-                   updates: list | None = None) -> None:
+                   updates: list | None = None, window: PushWindow | None = None) -> None:
+        """Store a batch; with ``window``, return once it is sent (acknowledged later:
+        see :class:`PushWindow`)."""
         nbytes = n * schema.record_nbytes + FRAMING_BYTES
         if nbytes > self.max_message_bytes:
             raise MessageTooLargeError(
@@ -171,7 +175,15 @@ class GrpcTransport:
         if updates:  # episode meta and ends, applied with the records
             request += encode_messages(PUSH_UPDATES_FIELD, [
                 u.SerializeToString() for u in encode_updates(buffer, updates).updates])
-        self.invoke(self._push_batch, request, deadline, len(request) <= STREAMED_MAX_BYTES)
+        if window is not None:
+            window.send(request, deadline)
+        else:
+            self.invoke(self._push_batch, request, deadline, len(request) <= STREAMED_MAX_BYTES)
+
+    def push_window(self, size: int) -> PushWindow:
+        """A window of ``size`` pushes in flight on a stream of its own (see
+        :mod:`millpond.push_window`), for :meth:`push_batch`'s ``window``."""
+        return PushWindow(self._streams, self._push_stream, size)
 
     def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
                extras: bool, timeout: float, deadline: float,

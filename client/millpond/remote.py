@@ -40,6 +40,8 @@ from .queued_writes import QueuedWrites
 
 if TYPE_CHECKING:
     from .client import Client
+    from .push_window import PushWindow
+    from .transport import Connection
 
 
 class RemoteBuffer(QueuedWrites, ConfiguredBuffer):
@@ -57,12 +59,16 @@ class RemoteBuffer(QueuedWrites, ConfiguredBuffer):
     :meth:`delete` deletes in either case. A pickled handle never owns.
     """
 
-    def __init__(self, client: "Client", name: str, config: BufferConfig, owner: bool = False):
+    def __init__(self, client: "Client", name: str, config: BufferConfig, owner: bool = False,
+                 windowed: bool = True):
         self._client = client
         self.name = name
         self.config = config
         self.owner = owner
         self._may_wait = config.rate_limiter is not None  # (queues and stacks have one)
+        # A window of pushes in flight, and the connection it is on; see _push_window.
+        self._window: tuple[Connection, PushWindow] | None = None
+        self._windowed = windowed
 
     def __reduce__(self):  # pending records stay with this handle, never in a pickle
         return (RemoteBuffer, (self._client, self.name, self.config))
@@ -87,8 +93,33 @@ class RemoteBuffer(QueuedWrites, ConfiguredBuffer):
         if episodes is not None:
             batch, schema = {**batch, EPISODE_COLUMN: episodes}, self._push_schema
         wait, deadline = self._client.budget(timeout, self._may_wait)
-        self._client.connection.call("push_batch", self.name, schema, n, batch,
-                                     priorities, wait, deadline, updates)
+        connection = self._client.connection
+        window = self._push_window(connection)
+        if window is not None:
+            connection.grpc.push_batch(self.name, schema, n, batch, priorities, wait, deadline,
+                                       updates, window)
+        else:
+            connection.call("push_batch", self.name, schema, n, batch, priorities, wait,
+                            deadline, updates)
+
+    def _push_window(self, connection: Connection) -> PushWindow | None:
+        """This handle's window of pushes in flight on ``connection``, if it has one
+        (``connect(max_in_flight=)`` over gRPC; a fork's child opens its own)."""
+        size = self._client.max_in_flight
+        if size <= 1 or not self._windowed or connection.transport != "grpc":
+            return None
+        window = self._window
+        if window is None or window[0] is not connection:
+            window = self._window = (connection, connection.grpc.push_window(size))
+        return window[1]
+
+    def flush(self) -> None:
+        """Return once every push of this handle is acknowledged: records queued by
+        ``push`` and pushes in flight (``connect(max_in_flight=)``). Raises the first
+        that failed."""
+        super().flush()
+        if self._window is not None:
+            self._window[1].flush()
 
     def update_episodes(self, updates: Any) -> None:
         """Apply ``(episode id, meta, end)`` updates, after the pushes queued before."""
@@ -111,6 +142,7 @@ class RemoteBuffer(QueuedWrites, ConfiguredBuffer):
     def set_beta(self, beta: float) -> None:
         self._check_open()
         self._check_priorities_allowed(True)
+        self.flush()
         self._client.connection.call("set_beta", self.name, check_exponent("beta", beta),
                                      self._client.timeout)
 
@@ -210,12 +242,25 @@ class RemoteBuffer(QueuedWrites, ConfiguredBuffer):
 
     # ---- lifecycle ------------------------------------------------------------
 
+    def release(self) -> None:
+        """Flush queued pushes and pushes in flight, and stop using this handle; the
+        buffer stays. Idempotent."""
+        if self._closed:
+            return
+        try:
+            super().release()
+        finally:
+            if self._window is not None:
+                self._window[1].close()
+
     def delete(self) -> None:
         """Flush queued pushes, then delete the buffer on the server. Idempotent."""
         if self._closed:
             return
         if self._batcher is not None:
             self._batcher.close()
+        if self._window is not None:
+            self._window[1].close()
         try:
             self._client.connection.grpc.delete(self.name, self._client.timeout)
         except BufferNotFoundError:

@@ -70,7 +70,7 @@ class ShardedBuffer(ShardedReads, QueuedWrites, ConfiguredBuffer):
         self.shard_configs = list(configs)
         self.config = global_config(configs)
         self.owner = owner
-        self.remotes = [RemoteBuffer(shard_client, name, config)
+        self.remotes = [RemoteBuffer(shard_client, name, config, windowed=False)
                         for shard_client, config in zip(client.clients, configs)]
         self._home = client.next_shard()
         self._lock = threading.Lock()

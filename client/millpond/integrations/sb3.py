@@ -62,6 +62,10 @@ from ..api import MmapReplayBuffer as _MmapBuffer
 from ..api import ReplayBuffer as _RamBuffer
 from ..errors import InvalidConfigError, NotEnoughDataError
 
+# A server buffer's adds in flight (see millpond.connect's max_in_flight): ``add`` returns
+# once its step is sent, and ``sample`` (which reads) waits for them first.
+MAX_IN_FLIGHT = 32
+
 
 class _MillpondStorage:
     """What both classes share: the millpond handle, ``add``'s flags, sampling.
@@ -85,7 +89,7 @@ class _MillpondStorage:
     def _setup(self, buffer_size: int, optimize_memory_usage: bool,
                handle_timeout_termination: bool, obs_fields: dict[str, Any],
                address: str | Sequence[str] | None, name: str | None, token: str | None,
-               hot_capacity: int | None, cold_path: str | None) -> None:
+               hot_capacity: int | None, cold_path: str | None, max_in_flight: int) -> None:
         if optimize_memory_usage:
             raise ValueError(
                 "millpond's SB3 replay buffers do not support optimize_memory_usage=True "
@@ -106,11 +110,11 @@ class _MillpondStorage:
         self._in_process = address is None
         if hot_capacity is None:
             self.millpond_buffer = _RamBuffer(capacity, fields=fields, address=address, name=name,
-                                              token=token)
+                                              token=token, max_in_flight=max_in_flight)
         else:
             self.millpond_buffer = _MmapBuffer(hot_capacity, capacity, cold_path=cold_path,
                                                fields=fields, address=address, name=name,
-                                               token=token)
+                                               token=token, max_in_flight=max_in_flight)
         held = len(self.millpond_buffer) // self.n_envs  # an existing server buffer's steps
         self.pos, self.full = held % self.buffer_size, held >= self.buffer_size
 
@@ -201,9 +205,11 @@ class ReplayBuffer(_MillpondStorage, sb3.ReplayBuffer):
     """SB3's ``ReplayBuffer`` (Box, Discrete, MultiDiscrete, MultiBinary observations).
 
     Arguments are SB3's, plus keyword-only ``address``/``name`` (the server
-    buffer to create or attach to; none: in-process), ``token``, and
+    buffer to create or attach to; none: in-process), ``token``,
     ``hot_capacity``/``cold_path`` (keep only ``hot_capacity`` records in RAM
-    and spill the rest to a memory-mapped file). See the module docstring.
+    and spill the rest to a memory-mapped file) and ``max_in_flight`` (adds
+    sent to a server before the first is acknowledged; ``sample`` waits for
+    them). See the module docstring.
     """
 
     def __init__(
@@ -221,6 +227,7 @@ class ReplayBuffer(_MillpondStorage, sb3.ReplayBuffer):
         token: str | None = None,
         hot_capacity: int | None = None,
         cold_path: str | None = None,
+        max_in_flight: int = MAX_IN_FLIGHT,
     ):
         if isinstance(observation_space, spaces.Dict):
             raise ValueError("Dict observation spaces need "
@@ -230,7 +237,7 @@ class ReplayBuffer(_MillpondStorage, sb3.ReplayBuffer):
         shape = (observation_space.dtype, self.obs_shape)
         self._setup(buffer_size, optimize_memory_usage, handle_timeout_termination,
                     {"obs": shape, "next_obs": shape}, address, name, token, hot_capacity,
-                    cold_path)
+                    cold_path, max_in_flight)
 
     def add(self, obs: np.ndarray, next_obs: np.ndarray, action: np.ndarray, reward: np.ndarray,
             done: np.ndarray, infos: list[dict[str, Any]]) -> None:
@@ -277,6 +284,7 @@ class DictReplayBuffer(_MillpondStorage, sb3.DictReplayBuffer):
         token: str | None = None,
         hot_capacity: int | None = None,
         cold_path: str | None = None,
+        max_in_flight: int = MAX_IN_FLIGHT,
     ):
         if not isinstance(observation_space, spaces.Dict):
             raise ValueError("DictReplayBuffer needs a spaces.Dict observation space")
@@ -289,7 +297,7 @@ class DictReplayBuffer(_MillpondStorage, sb3.DictReplayBuffer):
                     raise ValueError(f"observation key {key!r} is not a Python identifier")
                 fields[f"{prefix}_{key}"] = (observation_space[key].dtype, shape)
         self._setup(buffer_size, optimize_memory_usage, handle_timeout_termination, fields,
-                    address, name, token, hot_capacity, cold_path)
+                    address, name, token, hot_capacity, cold_path, max_in_flight)
 
     def add(self, obs: dict[str, np.ndarray], next_obs: dict[str, np.ndarray],  # type: ignore[override]
             action: np.ndarray, reward: np.ndarray, done: np.ndarray,
