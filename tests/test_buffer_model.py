@@ -163,7 +163,6 @@ class BufferMachine(RuleBasedStateMachine):
         Slots never written read seq 0, so which slots to look at comes from
         the model's counters; the stored seq must then confirm the record.
         """
-        self.engine.settle()  # a push left logged (push_logged) is in no tier yet
         hot_lo = self.pushed - min(self.pushed, self.hot)
         out = {}
         for seq in self.live:
@@ -192,25 +191,6 @@ class BufferMachine(RuleBasedStateMachine):
             cols["obs"] = cols["obs"].reshape(-1)  # flat [n*2] is accepted too
         self._push_batch(cols)
         self.pushed += n
-
-    @precondition(lambda self: not self.closed and not self.public and self.persistent)
-    @rule(n=st.integers(0, 25), crash=st.booleans())
-    def push_logged(self, n, crash):
-        """A push acknowledged once in the push log (core/pushlog.py): it reports the
-        model's sizes, and an image of the file taken before it is stored (what a crash
-        of the process leaves) reopens with it. (The invariants then store it: they read
-        the tiers.)"""
-        after = self.buf.push_logged(records(self.pushed, n))
-        self.pushed += n
-        assert after == (self.model_len, self.pushed)
-        if crash:
-            image = os.path.join(self.tmpdir, "image.bin")
-            shutil.copyfile(self.cold_path, image)
-            reopened = TieredBuffer.open(image)
-            try:
-                assert reopened.contents()["id"].astype(int).tolist() == list(self.live)
-            finally:
-                reopened.release()
 
     @precondition(lambda self: not self.closed)
     @rule(batch_size=st.integers(1, 40), seed=st.integers(0, 2**32))

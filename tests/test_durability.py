@@ -112,9 +112,7 @@ def test_sigkill_crash_trials_lose_no_acknowledged_record(tmp_path, shm):
 
     After every restart each acknowledged record is present exactly once with
     a valid checksum, and every record served is a valid one that some actor
-    sent (a push in flight may be fully present, never torn). Over gRPC a push
-    is answered once in the buffer's push log (core/pushlog.py): the kills also
-    land between answer and store.
+    sent (a push in flight may be fully present, never torn).
     """
     data = tmp_path / "data"
     rng = random.Random(7)

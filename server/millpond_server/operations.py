@@ -21,8 +21,7 @@ owns the rules they share:
 * **where calls run**: engine calls go to a thread pool, except small gRPC
   pushes and samples, which run on the loop when their buffer is free
   (:meth:`Operations.admit_small`): they take less time than the hop. A push
-  there is answered once logged, and stored on the loop right after
-  (:meth:`Operations.push_batch`).
+  is answered once stored.
 """
 
 from __future__ import annotations
@@ -148,21 +147,11 @@ class Operations:
                    buffer: TieredBuffer | None = None, updates: Any = None) -> tuple[int, int]:
         """Store a batch now or raise WouldWait; return ``(size, pushed)`` after it.
         ``buffer``: the one named ``name``, if the caller has it already. ``updates``:
-        episode updates applied with it.
-
-        On the loop (a small push) the push may be answered once it is logged
-        (core/pushlog.py): the loop stores it right after this call's turn, unless a
-        use of the buffer does first."""
+        episode updates applied with it."""
         if buffer is None:
             buffer = self.registry.get(name)
         columns = dict(columns)  # an episodic push's ids ride in one more column
         episodes = columns.pop(EPISODE_COLUMN, None)
-        if self.on_loop():
-            after = try_now(buffer, buffer.push_logged, columns, priorities, episodes=episodes,
-                            updates=updates, timeout=0)
-            assert self.loop is not None
-            self.loop.call_soon(self._settle, buffer)
-            return after
         try_now(buffer, buffer.push_batch, columns, priorities, episodes=episodes,
                 updates=updates, timeout=0)
         return len(buffer), buffer.pushed
@@ -173,17 +162,6 @@ class Operations:
             return asyncio.get_running_loop() is self.loop
         except RuntimeError:  # a pool thread, a fast-path session
             return False
-
-    def _settle(self, buffer: TieredBuffer) -> None:
-        """Store ``buffer``'s logged push, if no other thread holds it (that one does), on
-        the loop: timed like a call there (see :meth:`ran_on_loop`). A storage error
-        stops the daemon, as it would have in the push."""
-        start = time.monotonic()
-        try:
-            buffer.settle(wait=False)
-        except Exception as exc:  # classify logs what it does not expect
-            self.classify(exc, "PushBatch")
-        self.ran_on_loop(buffer, start)
 
     def sample(self, name: str, batch_size: int, seed: int | None,
                out: Mapping[str, np.ndarray] | None = None,
@@ -257,7 +235,7 @@ class Operations:
         wait. ``fn`` must use no other buffer, and do no I/O but the buffer's.
         """
         start = time.monotonic()
-        lock = buffer._lock  # re-entrant (core/loggedpush.py: SettlingLock), for this
+        lock = buffer._lock  # re-entrant, for this
         if self._pooled_until.get(buffer, 0.0) > start or not lock.acquire(blocking=False):
             return await self.admit(budget, fn, *args, held=held)
         try:

@@ -6,14 +6,13 @@ proportional, use limits) and the rate limiter's state (:mod:`.ratelimit`),
 which makes pushes and samples wait, up to their ``timeout``, while they
 would break it.
 
-Thread-safe: one lock per buffer guards every public method. A daemon's small
-pushes may be acknowledged once logged and stored right after (:mod:`.pushlog`):
-taking the lock stores such a push first, so no use of the buffer sees it missing.
+Thread-safe: one lock per buffer guards every public method.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from typing import Any, Callable, Mapping
 
@@ -30,7 +29,6 @@ from .episodic import EpisodicReads
 from .footprint import hot_nbytes, memory_needed, slot_arrays_for
 from .memory import available_memory, check_available, memory_limit
 from .fifo import Fifo
-from .loggedpush import LoggedPushes, SettlingLock
 from .prioritized import PriorityUpdates
 from .fileops import temp_path
 from .info import BufferInfo
@@ -39,7 +37,7 @@ from .recovery import recover
 from .tier import Tier
 
 
-class TieredBuffer(LoggedPushes, PriorityUpdates, DrawAhead, EpisodicReads, Contents,
+class TieredBuffer(PriorityUpdates, DrawAhead, EpisodicReads, Contents,
                    RateWaits, ConfiguredBuffer):
     """Hot ring + cold mapped-file ring behind one FIFO, as ``config`` describes.
 
@@ -124,9 +122,7 @@ class TieredBuffer(LoggedPushes, PriorityUpdates, DrawAhead, EpisodicReads, Cont
             available = available_memory()
             self.hot_locked = fifo.file.settle(lock_hot=persistent and (
                 available is None or hot_nbytes(config, persistent) <= available))
-        self._logged: int | None = None  # records in the push log, not yet stored
-        # Re-entrant (see Operations.admit_small, server); stores a logged push when taken.
-        self._lock = SettlingLock(self, TieredBuffer._store_logged)
+        self._lock = threading.RLock()  # re-entrant: see Operations.admit_small, server
         self._rate = RateState(config.rate_limiter, self._lock)
         self._closed = False
         self._rng = np.random.default_rng()
@@ -146,7 +142,6 @@ class TieredBuffer(LoggedPushes, PriorityUpdates, DrawAhead, EpisodicReads, Cont
     @property
     def pushed(self) -> int:
         """Records ever pushed, including evicted ones."""
-        self.settle()  # a logged push counts
         return self._fifo.pushed
 
     @property
@@ -155,7 +150,6 @@ class TieredBuffer(LoggedPushes, PriorityUpdates, DrawAhead, EpisodicReads, Cont
 
     def __len__(self) -> int:
         self._check_open()
-        self.settle()  # a logged push counts
         return self._size()
 
     def _size(self) -> int:
@@ -211,9 +205,8 @@ class TieredBuffer(LoggedPushes, PriorityUpdates, DrawAhead, EpisodicReads, Cont
         return n
 
     def _store(self, n: int, batch: Mapping[str, np.ndarray], priorities: Any, episodes: Any,
-               updates: Any, timeout: float | None, log: bool = False) -> tuple[int, int]:
-        """Append a coerced batch; ``(size, pushed)`` after it. ``log``: see
-        :meth:`push_logged`."""
+               updates: Any, timeout: float | None) -> tuple[int, int]:
+        """Append a coerced batch; ``(size, pushed)`` after it."""
         timeout = check_timeout(timeout)
         if priorities is not None:
             self._proportional()
@@ -227,8 +220,6 @@ class TieredBuffer(LoggedPushes, PriorityUpdates, DrawAhead, EpisodicReads, Cont
             if n and limiter is not None:
                 self._rate.wait_until("insert", n, lambda: self._rate.can_insert(n, self._size()),
                                       timeout, self._size, self._check_open)
-            if log and priorities is None and before_commit is None and self._log(n, batch):
-                return self._fifo.size_after(n), self._fifo.pushed + n
             self._append(n, batch, before_commit, priorities)
             return self._size(), self._fifo.pushed
 

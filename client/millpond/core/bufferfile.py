@@ -17,8 +17,7 @@ Layout (all integers little-endian)::
                         "cold_capacity", "persistent", ["slot_arrays": {name: dtype}],
                         "regions": {name: [offset, nbytes]}}
     then one page-aligned region per tier and field, one per tier for seq,
-    one per slot array ("slot:<name>", ``total_capacity`` elements), and in a
-    persistent file the push log ("#log", see :mod:`.pushlog`)
+    one per slot array ("slot:<name>", ``total_capacity`` elements)
 
 The commit point of a push is its counter: written, after the records, to the
 slot the next generation names (A, B, A, ...) with a checksum. A crash in the
@@ -29,8 +28,7 @@ are ignored, so an interrupted push is absent, never half present.
 Slot arrays are side arrays with one element per record slot of the whole
 FIFO (``seq % total_capacity``), e.g. the priorities of a prioritized buffer.
 They are plain mapped memory: what is written there is not part of the
-commit; their owner decides what a stale or damaged element means. A version
-2 file (no push log) is read as before.
+commit; their owner decides what a stale or damaged element means.
 
 The whole file is allocated with ``posix_fallocate`` at creation: a full disk
 fails there with :class:`StorageFullError` (the partial file is removed)
@@ -57,11 +55,10 @@ from .memory import keep_resident
 from .fileops import (CREATE_FLAGS, allocate, check_free_space, fsync_directory, sync_fd,
                       unlink_quietly)
 from .coldio import TierFile
-from .pushlog import LOG_REGION, PushLog, log_region_nbytes
 from .tier import CHECKSUM_REGION, SEQ_DTYPE, SEQ_REGION, Tier
 
 MAGIC = b"MILLPOND"
-FORMAT_VERSION, READABLE_VERSIONS = 3, (2, 3)  # version 3 added the push log
+FORMAT_VERSION = 4
 PAGE = mmap.PAGESIZE
 _PREFIX = struct.Struct("<8sIII")  # magic, version, header size, json length
 _COUNTERS = struct.Struct("<QQQQ")  # generation, pushed, first, hot_lo
@@ -118,7 +115,6 @@ def _plan(schema: Schema, hot_capacity: int, total_capacity: int, persistent: bo
     sizes = _region_sizes(schema, cold_capacity, "", persistent) if cold_capacity else []
     if persistent:
         sizes += _region_sizes(schema, hot_capacity, HOT_PREFIX, True)
-        sizes.append((LOG_REGION, log_region_nbytes(schema)))
     if checked:
         meta["slot_arrays"] = checked
         sizes += [(SLOT_PREFIX + name, total_capacity * np.dtype(dtype).itemsize)
@@ -156,7 +152,6 @@ class BufferFile:
                                 regions[SLOT_PREFIX + name][0])
             for name, dtype in meta.get("slot_arrays", {}).items()
         }
-        self.log = PushLog.in_file(mm, regions, schema)  # None in a version 2 file
 
     def settle(self, lock_hot: bool) -> bool:
         """Arrange what stays in memory: the cold tier is read in random order (no
@@ -315,7 +310,7 @@ class BufferFile:
         """Unmap and close; remove the file when ``delete``. Idempotent."""
         if self._mm is None:
             return
-        for part in (self.tier, self.hot_tier, self.log):
+        for part in (self.tier, self.hot_tier):
             if part is not None:
                 part.release()  # views into the map must go before it closes
         self._slot_arrays = {}
@@ -332,8 +327,9 @@ def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema]:
     magic, version, header, length = _PREFIX.unpack_from(mm, 0)
     if magic != MAGIC:
         raise CorruptFileError(f"{path}: not a millpond buffer file (bad magic)")
-    if version not in READABLE_VERSIONS:
-        raise CorruptFileError(f"{path}: format version {version}, not one of {READABLE_VERSIONS}")
+    if version != FORMAT_VERSION:
+        raise CorruptFileError(f"{path}: format version {version}; this millpond reads version "
+                               f"{FORMAT_VERSION} only")
     if not _JSON_OFFSET + length <= header <= len(mm):
         raise CorruptFileError(f"{path}: damaged header (metadata length {length})")
     try:

@@ -184,9 +184,6 @@ class ReadOnlyBuffer(TieredBuffer):
     def push_batch(self, *args: Any, **kwargs: Any) -> int:
         raise self._refuse("push_batch")
 
-    def push_logged(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        raise self._refuse("push_batch")
-
     def update_priorities(self, *args: Any, **kwargs: Any) -> int:
         raise self._refuse("update_priorities")
 

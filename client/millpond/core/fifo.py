@@ -62,12 +62,6 @@ class Fifo:
         """Live records, less the holes."""
         return self.pushed - self.first - len(self.holes)
 
-    def size_after(self, n: int) -> int:
-        """:attr:`size` once ``n`` more records are appended (the oldest evicted)."""
-        new = self.pushed + n
-        first = max(self.first, new - self.total_capacity)
-        return new - first - int(np.count_nonzero(self.holes >= first))
-
     def live(self) -> np.ndarray:
         """Every live seq that is not a hole, oldest first."""
         return np.setdiff1d(np.arange(self.first, self.pushed), self.holes, assume_unique=True)

@@ -1,9 +1,7 @@
 """Reopening a persistent buffer's file: its config, its live ranges, and every record checked.
 
-The file's committed counters say which records are live. A push the file's
-push log holds and that starts at the committed ``pushed`` was acknowledged
-but not yet stored (:mod:`.pushlog`): it is stored first. Each live record
-is then checked (its slot's seq and checksum) before anything is served. A
+The file's committed counters say which records are live. Each live record
+is checked (its slot's seq and checksum) before anything is served. A
 damaged record stops the reopen with :class:`CorruptFileError`, naming the
 file, the count and the seqs, unless the caller chose to skip damaged
 records: then they become the FIFO's holes, never served.
@@ -39,7 +37,6 @@ def recover(path: str | os.PathLike, *, sync_every_push: bool = False, skip_corr
         fifo = Fifo(file.schema, file.hot_tier, file.tier, config.total_capacity, file,
                     durable=True, sync_every_push=sync_every_push)
         fifo.pushed, fifo.first, fifo.hot_lo = file.pushed, file.first, file.hot_lo
-        _store_logged_push(fifo)
         bad = fifo.damaged(progress)
         live = fifo.pushed - fifo.first
         if len(bad) and not skip_corrupt:
@@ -52,15 +49,3 @@ def recover(path: str | os.PathLike, *, sync_every_push: bool = False, skip_corr
         raise
     fifo.holes = bad
     return config, fifo
-
-
-def _store_logged_push(fifo: Fifo) -> None:
-    """Store the push the file's log holds if it was never stored (it starts at
-    ``pushed``: an append interrupted at any of its commits is redone whole)."""
-    log = fifo.file.log if fifo.file is not None else None
-    logged = log.read() if log is not None else None
-    if logged is not None and logged[0] == fifo.pushed:
-        _, n, batch = logged
-        fifo.append(n, batch)
-    if log is not None:
-        log.clear()
