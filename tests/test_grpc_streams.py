@@ -15,16 +15,13 @@ import signal
 import socket
 import threading
 import time
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import millpond
 from support import ServerProcess, wait_until
 from test_contract import transitions
 
-WITHOUT_STREAMS = str(Path(__file__).with_name("daemon_without_streams.py"))
 
 
 def stream_readers(server: ServerProcess) -> int:
@@ -99,17 +96,6 @@ def test_a_daemon_that_does_not_answer_gets_a_deadline_error_then_a_new_stream(t
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
         assert len(buf.sample(2)["obs"]) == 2
-
-
-def test_a_daemon_without_streams_gets_unary_calls(tmp_path):
-    with ServerProcess(tmp_path / "data", script=WITHOUT_STREAMS) as server:
-        client = millpond.connect(server.address, shm=False)
-        buf = client.create_buffer("older", capacity=100, obs_dim=2, act_dim=1)
-        buf.push_batch(**transitions(0, 8))
-        batch = buf.sample(4)
-        assert len(buf) == 8 and len(batch["obs"]) == 4
-        assert set(np.unique(batch["rewards"])) <= set(range(8))
-        assert stream_readers(server) == 0
 
 
 def _push_from_child(buf, start: int, results) -> None:

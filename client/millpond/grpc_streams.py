@@ -36,7 +36,6 @@ from typing import Any
 import grpc
 
 from .errors import DeadlineExceededError, ServerUnavailableError
-from .wire.status import ERROR_CODE_KEY
 
 
 _ENDED = object()  # the stream ended without an error
@@ -217,14 +216,6 @@ class ThreadStreams:
             streams = list(self._all)
         for stream in streams:
             stream.close()
-
-
-def unary_fallback(error: grpc.RpcError) -> bool:
-    """Whether ``error`` says the daemon has no such stream (an older one, which answers
-    gRPC's own UNIMPLEMENTED, without millpond's error code): use unary calls."""
-    trailers = error.trailing_metadata() or ()
-    return (error.code() == grpc.StatusCode.UNIMPLEMENTED
-            and not any(key == ERROR_CODE_KEY for key, _ in trailers))
 
 
 _EVERY: weakref.WeakSet[ThreadStreams] = weakref.WeakSet()

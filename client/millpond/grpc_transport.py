@@ -6,7 +6,7 @@ copies column data once instead of three times.
 
 Small pushes and samples go as messages on streams each thread keeps open
 (:mod:`millpond.grpc_streams`), with the same contract as the unary calls,
-which every other call is (and these too, with a daemon that has no streams).
+which every other call is.
 
 Every call waits for the server to be ready, within its deadline: gRPC's
 ``wait_for_ready`` holds it while the server is not listening yet (a client
@@ -33,7 +33,7 @@ from .core.config import BufferConfig
 from .core.info import BufferInfo
 from .core.schema import Schema
 from .errors import DeadlineExceededError, MessageTooLargeError, ServerStartingError
-from .grpc_streams import ThreadStreams, unary_fallback
+from .grpc_streams import ThreadStreams
 from .push_window import PushWindow
 from .v1 import replay_pb2 as pb
 from .v1 import replay_pb2_grpc as pb_grpc
@@ -83,13 +83,12 @@ class GrpcTransport:
             request_serializer=None,  # already bytes (see sample)
             response_deserializer=None,  # parsed by frames.decode_batch_field
         )
-        # The same two calls as messages on open streams (see grpc_streams), unless the
-        # daemon is too old to have them.
+        # The same two calls as messages on open streams (see grpc_streams).
         self._streams = ThreadStreams(metadata, address)
         self._push_stream = channel.stream_stream(
             "/millpond.v1.Replay/PushBatchStream", request_serializer=None,
             response_deserializer=pb.PushReply.FromString)
-        self._streamed: dict[Callable, grpc.StreamStreamMultiCallable] | None = {
+        self._streamed: dict[Callable, grpc.StreamStreamMultiCallable] = {
             self._push_batch: self._push_stream,
             self._sample: channel.stream_stream(
                 "/millpond.v1.Replay/SampleStream", request_serializer=None,
@@ -126,14 +125,9 @@ class GrpcTransport:
     def _send(self, method: Callable, request: Any, timeout: float, small: bool) -> Any:
         """One try of ``method(request)``: a small call as a message on this thread's
         stream of them, if the method has one; else a unary call."""
-        streamed = small and self._streamed and self._streamed.get(method)
-        if streamed:
-            try:
-                return self._streams.call(streamed, request, timeout)
-            except grpc.RpcError as exc:
-                if not unary_fallback(exc):
-                    raise
-                self._streamed = None  # an older daemon: unary calls from now on
+        streamed = self._streamed.get(method) if small else None
+        if streamed is not None:
+            return self._streams.call(streamed, request, timeout)
         return method(request, timeout=timeout, wait_for_ready=True, metadata=self.metadata)
 
     def close(self) -> None:
