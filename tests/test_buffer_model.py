@@ -107,7 +107,6 @@ class BufferMachine(RuleBasedStateMachine):
             self.buf = engine(SCHEMA, hot, self.total, self.cold_path, persistent=persistent)
             self.engine = self.buf
         self.pushed = 0  # the model: records 0..pushed-1, live = the last `total`
-        self.drawn = None  # (Drawn, pushed when drawn, generator state before the draw)
         assert os.path.exists(self.cold_path) == (extra > 0 or persistent)
 
     @precondition(lambda self: self.buf is not None and not self.closed and self.persistent)
@@ -122,7 +121,6 @@ class BufferMachine(RuleBasedStateMachine):
         else:
             self.buf = TieredBuffer.open(self.cold_path)
             self.engine = self.buf
-        self.drawn = None  # drawn from the buffer object released
         assert self.snapshot() == before
 
     def teardown(self):
@@ -215,40 +213,6 @@ class BufferMachine(RuleBasedStateMachine):
         b = self.buf.sample(batch_size, seed)
         for name in FIELDS:
             np.testing.assert_array_equal(a[name], b[name], err_msg=name)
-
-    @precondition(lambda self: not self.closed)
-    @rule(batch_size=st.integers(1, 40))
-    def draw_ahead(self, batch_size):
-        """A draw ahead counts nothing and changes nothing a caller sees."""
-        before, info = self.snapshot(), self.buf.info()
-        generator = self.engine._rng.bit_generator.state
-        out = {name: np.empty((batch_size, *shape), dtype)
-               for name, (dtype, shape) in FIELDS.items()}
-        drawn = self.engine.draw_ahead(batch_size, out)
-        assert (drawn is not None) == (batch_size <= self.model_len)
-        if drawn is not None:
-            self.drawn = (drawn, self.pushed, generator)
-        assert self.snapshot() == before and self.buf.info() == info
-
-    @precondition(lambda self: not self.closed and self.drawn is not None)
-    @rule()
-    def sample_drawn(self):
-        """Served from the rows drawn ahead iff nothing was pushed since: then they are
-        the batch a draw now would make; else a fresh draw of live records."""
-        drawn, pushed_then, generator = self.drawn
-        self.drawn = None
-        samples = self.buf.info()["samples"]
-        rows, served = self.engine.sample_drawn(drawn, timeout=0)
-        assert self.buf.info()["samples"] == samples + drawn.batch_size  # counted now
-        assert served == (self.pushed == pushed_then)
-        ids = check_rows_consistent(rows)
-        assert all(i in self.live for i in ids.tolist()), (ids, self.live)
-        if served:
-            kept = {name: column.copy() for name, column in rows.items()}
-            self.engine._rng.bit_generator.state = generator
-            again = self.engine.sample(drawn.batch_size)
-            for name in FIELDS:
-                np.testing.assert_array_equal(kept[name], again[name], err_msg=name)
 
     @precondition(lambda self: not self.closed)
     @rule(

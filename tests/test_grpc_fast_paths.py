@@ -228,12 +228,11 @@ def test_a_small_call_never_blocks_the_loop_on_a_buffer_another_thread_holds(tmp
         await service.PushBatch(push, _Context())  # on the loop: the buffer is free
         held, release = threading.Event(), threading.Event()
 
-        def hold():
-            with buffer._lock:
-                held.set()
-                release.wait(10)
+        def hold():  # a long operation of another thread (a fast-path session's, say)
+            held.set()
+            release.wait(10)
 
-        holder = threading.Thread(target=hold)
+        holder = threading.Thread(target=ops.owner(buffer).run_here, args=(hold,))
         holder.start()
         held.wait(10)
         beats = 0
@@ -261,10 +260,10 @@ def test_a_small_call_never_blocks_the_loop_on_a_buffer_another_thread_holds(tmp
 
 
 def test_a_slow_small_call_sends_its_buffer_to_the_pool_for_a_while(tmp_path, monkeypatch):
-    from millpond_server import operations
+    from millpond_server import owner
 
     registry, ops, service = _service(tmp_path)
-    monkeypatch.setattr(operations, "INLINE_SLOW_S", 0.0)  # every call counts as slow
+    monkeypatch.setattr(owner, "INLINE_SLOW_S", 0.0)  # every call counts as slow
 
     async def main():
         ops.start(asyncio.get_running_loop())
@@ -284,7 +283,7 @@ def test_a_slow_small_call_sends_its_buffer_to_the_pool_for_a_while(tmp_path, mo
         for _ in range(2):
             await service.Sample(_sample_request(4, 1), _Context())
         assert threads and all(t != loop_thread for t in threads)  # the push sent it there
-        assert ops._pooled_until[buffer] > time.monotonic()
+        assert ops.owner(buffer)._pooled_until > time.monotonic()
         registry.release_all()
 
     asyncio.run(main())
@@ -295,7 +294,7 @@ WIDE = Schema.from_spec({"x": ("float32", (64,)), "y": ("int64", ())})  # 264 by
 
 @pytest.mark.parametrize("batch_size", [8, 6_000])  # on the loop / on the pool (1.6 MB)
 def test_sample_replies_are_the_same_on_the_loop_and_on_the_pool(tmp_path, batch_size):
-    from millpond_server.operations import INLINE_BYTES
+    from millpond_server.owner import INLINE_BYTES
 
     registry, ops, service = _service(tmp_path)
 
@@ -327,8 +326,8 @@ def test_sample_replies_are_the_same_on_the_loop_and_on_the_pool(tmp_path, batch
 
 
 def test_a_small_push_that_waits_counts_its_bytes_like_a_large_one(tmp_path):
-    from millpond.errors import LimitExceededError
-    from millpond_server.operations import INLINE_BYTES, Operations
+    from millpond_server.operations import Operations
+    from millpond_server.owner import INLINE_BYTES
     from millpond_server.registry import Registry
     from millpond_server.service import ReplayService
 
@@ -348,11 +347,10 @@ def test_a_small_push_that_waits_counts_its_bytes_like_a_large_one(tmp_path):
         assert len(push(5)) <= INLINE_BYTES  # runs on the loop
         await service.PushBatch(push(5), _Context())  # full now: the next ones wait
         parked = asyncio.create_task(service.PushBatch(push(5), _Context()))
-        while not buffer.info().waiting_inserts:
+        while not ops.info("q").waiting_inserts:
             await asyncio.sleep(0.01)
-        with pytest.raises(LimitExceededError, match="max-waiting-mb"):
-            await ops.admit_small(buffer, 5.0, service._push_frames,
-                                  *split_push_batch(push(5))[:3], buffer, held=len(push(5)))
+        with pytest.raises(AssertionError, match="RESOURCE_EXHAUSTED.*max-waiting-mb"):
+            await service.PushBatch(push(5), _Context())  # (the context's abort raises)
         buffer.sample(1)  # room for the parked one
         assert (await parked).pushed == 2
         registry.release_all()

@@ -148,15 +148,18 @@ class DeadlineExceededError(ReplayError, TimeoutError):
 class RateLimitTimeoutError(DeadlineExceededError):
     """A push or sample waited for the buffer's rate limiter until its timeout; nothing changed.
 
-    ``kind`` ("insert" or "sample") and ``records`` say what waited, when known.
+    ``kind`` ("insert" or "sample") and ``records`` say what waited, and
+    ``state`` the rate limiter's state then, in words, when known.
     """
 
     code = "RATE_LIMIT_TIMEOUT"
 
-    def __init__(self, message: str = "", kind: str | None = None, records: int | None = None):
+    def __init__(self, message: str = "", kind: str | None = None, records: int | None = None,
+                 state: str | None = None):
         super().__init__(message)
         self.kind = kind
         self.records = records
+        self.state = state
 
 
 class ServerUnavailableError(ReplayError, ConnectionError):

@@ -22,10 +22,11 @@ import select
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import numpy as np
 
+from millpond.core import TieredBuffer
 from millpond.core.checks import check_batch_size, check_count, check_seed, check_timeout
 from millpond.core.episodes import with_episode_column
 from millpond.core.episodic import MAX_WINDOW, check_fields, check_n_step
@@ -39,6 +40,8 @@ from millpond.shm import memfd, protocol
 from millpond.wire.status import status_for
 
 from . import shm_requests as req
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from .shm_listener import FastPathServer
@@ -131,10 +134,11 @@ class FastPathSession(threading.Thread):
         poller.register(self.conn, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
         return bool(poller.poll(0))
 
-    def _admit(self, message: dict, fn, *args: Any) -> Any:
-        """Run an operation that may wait for a rate limiter, up to the request's timeout."""
+    def _admit(self, message: dict, buffer: TieredBuffer, fn: Callable[..., T], *args: Any) -> T:
+        """Run an operation on ``buffer`` here, in its owner's order; one that would wait
+        for the rate limiter is parked up to the request's timeout."""
         budget = check_timeout(message.get("timeout", 0))
-        return self.ops.admit_from_thread(budget, self.peer_gone, fn, *args)
+        return self.ops.owner(buffer).run_from_thread(budget, self.peer_gone, fn, *args)
 
     def hello(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         req.no_fds(fds)
@@ -213,8 +217,8 @@ class FastPathSession(threading.Thread):
 
     def push(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         req.no_fds(fds)
-        name = req.buffer_name(message)
-        config = self.ops.registry.get(name).config
+        buffer = self.ops.registry.get(req.buffer_name(message))
+        config = buffer.config
         # An episodic push carries its records' episode ids in one more column.
         schema = with_episode_column(config.schema) if config.episodes else config.schema
         mm = req.mapped(self.push_segments, message.get("segment"))
@@ -230,7 +234,7 @@ class FastPathSession(threading.Thread):
         updates = message.get("updates")
         if updates is not None and not isinstance(updates, list):
             raise InvalidArgumentError("updates must be a list of [episode id, meta, end]")
-        size, pushed = self._admit(message, self.ops.push_batch, name, views, priorities, None,
+        size, pushed = self._admit(message, buffer, self.ops.push_batch, buffer, views, priorities,
                                    updates)
         return {"ok": True, "size": size, "pushed": pushed}, []
 
@@ -242,7 +246,8 @@ class FastPathSession(threading.Thread):
         indices = req.vector(mm, message.get("indices"), protocol.INDEX_DTYPE, n, "indices").copy()
         priorities = req.vector(mm, message.get("priorities"), protocol.PRIORITY_DTYPE, n,
                              "priorities").copy()
-        updated = self.ops.update_priorities(req.buffer_name(message), indices, priorities)
+        buffer = self.ops.registry.get(req.buffer_name(message))
+        updated = self.ops.owner(buffer).run_here(buffer.update_priorities, indices, priorities)
         return {"ok": True, "updated": updated}, []
 
     def set_beta(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
@@ -250,7 +255,8 @@ class FastPathSession(threading.Thread):
         beta = message.get("beta")
         if not isinstance(beta, float):  # the client sends floats; the engine checks the range
             raise InvalidConfigError(f"beta must be a finite number >= 0, got {beta!r}")
-        self.ops.set_beta(req.buffer_name(message), beta)
+        buffer = self.ops.registry.get(req.buffer_name(message))
+        self.ops.owner(buffer).run_here(buffer.set_beta, beta)
         return {"ok": True}, []
 
     def sample(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
@@ -277,7 +283,7 @@ class FastPathSession(threading.Thread):
             )
         out, extra_views = views
         filter_meta = message.get("filter_meta")
-        result = self._admit(message, self.ops.sample, name, batch_size, seed, out, buffer,
+        result = self._admit(message, buffer, self.ops.sample, buffer, batch_size, seed, out,
                              filter_meta)
         # Weights and indices are small new arrays: one copy each into the segment.
         written = [key for key in extra_views if key in result]
@@ -289,8 +295,9 @@ class FastPathSession(threading.Thread):
         """sample_sequences, sample_n_step: gathered into the client's result segment,
         laid out as the client expects (:mod:`millpond.core.sequences`'s specs)."""
         req.no_fds(fds)
-        op, name = message["op"], req.buffer_name(message)
-        config = self.ops.registry.get(name).config
+        op = message["op"]
+        buffer = self.ops.registry.get(req.buffer_name(message))
+        config = buffer.config
         batch_size = check_batch_size(message.get("batch_size"))
         seed = check_seed(message.get("seed"))
         params: dict[str, Any]
@@ -302,15 +309,15 @@ class FastPathSession(threading.Thread):
             params = {"n_step": n_step, "gamma": gamma}
             specs = n_step_specs(config, batch_size)
         out = self._result_views(message, specs)
-        self._admit(message, self.ops.sample_episodic, name, op, batch_size, seed,
+        self._admit(message, buffer, self.ops.sample_episodic, buffer, op, batch_size, seed,
                     message.get("filter_meta"), params, out)
         return {"ok": True}, []
 
     def read(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         """Records by index: the seqs in the push segment, the records into a result one."""
         req.no_fds(fds)
-        name = req.buffer_name(message)
-        config = self.ops.registry.get(name).config
+        buffer = self.ops.registry.get(req.buffer_name(message))
+        config = buffer.config
         n = req.record_count(message)
         mm = req.mapped(self.push_segments, message.get("push_segment"))
         seqs = req.vector(mm, message.get("seqs"), protocol.INDEX_DTYPE, n, "seqs").copy()
@@ -319,7 +326,8 @@ class FastPathSession(threading.Thread):
         if not isinstance(positions, bool) or not isinstance(episode_ids, bool):
             raise InvalidArgumentError("positions and episode_ids must be true or false")
         out = self._result_views(message, read_specs(config, n, names, episode_ids))
-        self.ops.read(name, seqs, names, out, positions, episode_ids)
+        self.ops.owner(buffer).run_here(self.ops.read, buffer, seqs, names, out, positions,
+                                        episode_ids)
         return {"ok": True}, []
 
     def _result_views(self, message: dict, specs: protocol.Specs) -> dict[str, np.ndarray]:

@@ -152,7 +152,7 @@ class _Collector:
                          "limiter now", ("buffer", "kind"))
         for name, buffer in self.metrics.registry.list():
             try:
-                info = buffer.info()
+                info = self.metrics.ops.info(name, buffer)  # with the waits its owner parked
             except Exception:  # closed while we looked: gone from the next scrape
                 continue
             nbytes = info.record_nbytes

@@ -1,8 +1,8 @@
 """The ``millpond.v1.Replay`` gRPC service (grpc.aio): decode, operate, encode.
 
-Each handler decodes its request, calls the operations layer
-(:mod:`.operations`: the rules every transport shares, engine calls on a
-thread pool, rate-limit waits on the loop) and encodes the reply. Failures
+Each handler decodes its request, runs its operation (:mod:`.operations`)
+through the buffer's owner (:mod:`.owner`: where it runs, rate-limit waits)
+and encodes the reply. Failures
 are translated in one place, :func:`_rpc`, applied to every RPC: the
 operations layer classifies the error, and the catalog
 (:mod:`millpond.wire.status`) gives its status and stable code.
@@ -14,13 +14,12 @@ Bulk paths avoid needless copies of multi-megabyte payloads:
 * ``Sample`` replies are gathered by the engine straight into the reply's
   wire bytes (:mod:`millpond.wire.inplace`), sent as they are.
 
-Pushes and samples of at most ``INLINE_BYTES`` run on the event loop when
-their buffer is free (:meth:`.Operations.admit_small`); larger ones, and
-all parsing and gathering of megabytes, on the engine pool.
+Pushes, samples and reads of at most ``INLINE_BYTES`` are *small*: the owner
+may run them on the event loop; larger ones, and all parsing and gathering of
+megabytes, run on the engine pool.
 
 PushBatchStream and SampleStream carry PushBatch and Sample calls as the
 messages of one stream (:mod:`.streams`); each is served by the same handler.
-After a small plain sample, the next one is drawn ahead (:mod:`.ahead`).
 """
 
 from __future__ import annotations
@@ -51,11 +50,11 @@ from millpond.wire.episodic import decode_meta, decode_update, decode_updates, o
 from millpond.wire.inplace import BatchFrame
 from millpond.wire.status import ERROR_CODE_KEY, status_for
 
-from .ahead import SamplesAhead
 from .auth import ADMIN, bearer_token
+from .operations import Operations
+from .owner import INLINE_BYTES
 from .shm_listener import FastPathServer
 from .streams import CallStreams
-from .operations import INLINE_BYTES, Operations
 from .waits import wait_budget
 from .registry import check_name
 
@@ -134,7 +133,6 @@ class ReplayService:
         self.fastpath_off_reason = fastpath_off_reason
         self.max_message_mb = max_message_mb
         self.max_message_bytes = max_message_mb * 1024 * 1024
-        self.ahead = SamplesAhead(ops)
 
     @_rpc
     async def Create(self, request: pb.CreateRequest, context) -> pb.CreateReply:
@@ -146,8 +144,9 @@ class ReplayService:
     @_rpc
     async def Push(self, request: pb.PushRequest, context) -> pb.PushReply:
         timeout = request.timeout if request.HasField("timeout") else None
-        size, pushed = await self.ops.admit(_budget(timeout, context), self.ops.push,
-                                            request.name, decode_batch(request.record))
+        buffer = self.ops.registry.get(request.name)
+        size, pushed = await self.ops.owner(buffer).run(
+            self.ops.push, buffer, decode_batch(request.record), budget=_budget(timeout, context))
         return pb.PushReply(size=size, pushed=pushed)
 
     @_rpc
@@ -156,21 +155,18 @@ class ReplayService:
         # here, its columns where the push runs (the pool, if it is large).
         name, batches, priorities, timeout, raw_updates = split_push_batch(request)
         updates = [decode_update(bytes(raw)) for raw in raw_updates] or None
-        budget = _budget(timeout, context)
-        if len(request) <= INLINE_BYTES and not self.ops.registry.sync_every_push:
-            buffer = self.ops.registry.get(name)
-            size, pushed = await self.ops.admit_small(buffer, budget, self._push_frames, name,
-                                                      batches, priorities, buffer, updates,
-                                                      held=len(request))
-        else:  # (--sync always: every push waits for the disk, never on the loop)
-            size, pushed = await self.ops.admit(budget, self._push_frames, name, batches,
-                                                priorities, None, updates, held=len(request))
+        buffer = self.ops.registry.get(name)
+        # (--sync always: every push waits for the disk, never on the loop)
+        small = len(request) <= INLINE_BYTES and not self.ops.registry.sync_every_push
+        size, pushed = await self.ops.owner(buffer).run(
+            self._push_frames, buffer, batches, priorities, updates, small=small,
+            budget=_budget(timeout, context), held=len(request))
         return pb.PushReply(size=size, pushed=pushed)
 
-    def _push_frames(self, name: str, batches: list[memoryview], priorities: np.ndarray | None,
-                     buffer: TieredBuffer | None, updates: list | None = None) -> tuple[int, int]:
+    def _push_frames(self, buffer: TieredBuffer, batches: list[memoryview],
+                     priorities: np.ndarray | None, updates: list | None) -> tuple[int, int]:
         # Columns are views of the request bytes: the push is their only copy.
-        return self.ops.push_batch(name, decode_batches(batches), priorities, buffer, updates)
+        return self.ops.push_batch(buffer, decode_batches(batches), priorities, updates)
 
     @_rpc
     async def Sample(self, request: pb.SampleRequest, context) -> bytes:
@@ -190,32 +186,20 @@ class ReplayService:
                 f"{buffer.schema.record_nbytes:,} bytes) exceeds --max-message-mb "
                 f"{self.max_message_mb} ({self.max_message_bytes:,} bytes); "
                 "sample fewer records per call")
-        budget = _budget(timeout, context)
-        if nbytes <= INLINE_BYTES:
-            return await self.ops.admit_small(buffer, budget, self._sample_frames, buffer,
-                                              request.batch_size, seed)
-        return await self.ops.admit(budget, self._sample_frames, buffer, request.batch_size, seed)
+        return await self.ops.owner(buffer).run(
+            self._sample_frames, buffer, request.batch_size, seed, small=nbytes <= INLINE_BYTES,
+            budget=_budget(timeout, context))
 
     def _sample_frames(self, buffer: TieredBuffer, batch_size: int, seed: int | None) -> bytes:
         if buffer.config.prioritized is not None or batch_size <= 0:  # weights, indices too
-            return encode_with_batch(SAMPLE_BATCH_FIELD,
-                                     self.ops.sample("", batch_size, seed, buffer=buffer))
-        frame = sample_reply_frame(buffer.schema, batch_size)
-        if seed is None and frame.nbytes <= INLINE_BYTES and buffer.draws_ahead:
-            reply = (self.ahead.serve(buffer, batch_size)
-                     or self._gathered_reply(buffer, frame, batch_size, seed))
-            self.ahead.draw_next(buffer, frame, batch_size)
-            return reply
-        return self._gathered_reply(buffer, frame, batch_size, seed)
-
-    def _gathered_reply(self, buffer: TieredBuffer, frame: BatchFrame, batch_size: int,
-                        seed: int | None) -> bytes:
+            return encode_with_batch(SAMPLE_BATCH_FIELD, self.ops.sample(buffer, batch_size, seed))
         # Gathered straight into the reply: a large one's bytes (the column
         # data's one copy), a small one's reused buffer (then copied once).
         # The engine fills every row of ``out`` (cold rows, then hot ones) and
         # returns those very arrays; anything else is encoded the plain way.
+        frame = sample_reply_frame(buffer.schema, batch_size)
         reply, columns = frame.new() if frame.nbytes > REUSED_REPLY_BYTES else frame.reused()
-        result = self.ops.sample("", batch_size, seed, columns, buffer=buffer)
+        result = self.ops.sample(buffer, batch_size, seed, columns)
         if result.keys() != columns.keys() or any(result[k] is not v for k, v in columns.items()):
             return encode_with_batch(SAMPLE_BATCH_FIELD, result)
         return bytes(reply)  # the same object if it is bytes already
@@ -223,13 +207,15 @@ class ReplayService:
     @_rpc
     async def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest,
                                context) -> pb.UpdatePrioritiesReply:
-        updated = await self.ops.run(self.ops.update_priorities, request.name,
-                                     list(request.indices), list(request.priorities))
+        buffer = self.ops.registry.get(request.name)
+        updated = await self.ops.owner(buffer).run(
+            buffer.update_priorities, list(request.indices), list(request.priorities))
         return pb.UpdatePrioritiesReply(updated=updated)
 
     @_rpc
     async def SetBeta(self, request: pb.SetBetaRequest, context) -> pb.SetBetaReply:
-        self.ops.set_beta(request.name, request.beta)
+        buffer = self.ops.registry.get(request.name)
+        await self.ops.owner(buffer).run(buffer.set_beta, request.beta, small=True)
         return pb.SetBetaReply()
 
     # ---- episodic buffers ---------------------------------------------------------------
@@ -237,7 +223,8 @@ class ReplayService:
     @_rpc
     async def UpdateEpisodes(self, request: pb.UpdateEpisodesRequest,
                              context) -> pb.UpdateEpisodesReply:
-        await self.ops.run(self.ops.update_episodes, request.name, decode_updates(request))
+        buffer = self.ops.registry.get(request.name)
+        await self.ops.owner(buffer).run(buffer.update_episodes, decode_updates(request))
         return pb.UpdateEpisodesReply()
 
     @_rpc
@@ -259,26 +246,27 @@ class ReplayService:
                         context: grpc.aio.ServicerContext) -> bytes:
         """An episodic sample (or a filtered one), its reply encoded on the pool."""
         wanted = decode_meta(filter_meta) or None
-        self._check_reply(episodic_reply_nbytes(self.ops.registry.get(name).config, op,
-                                                batch_size, params), op)
+        buffer = self.ops.registry.get(name)
+        self._check_reply(episodic_reply_nbytes(buffer.config, op, batch_size, params), op)
 
         def frames() -> bytes:
             if op == "sample":
-                result = self.ops.sample(name, batch_size, seed, filter_meta=wanted)
+                result = self.ops.sample(buffer, batch_size, seed, filter_meta=wanted)
             else:
-                result = self.ops.sample_episodic(name, op, batch_size, seed, wanted, params)
+                result = self.ops.sample_episodic(buffer, op, batch_size, seed, wanted, params)
             return self._check_reply(encode_with_batch(SAMPLE_BATCH_FIELD, result), op)
 
-        return await self.ops.admit(_budget(timeout, context), frames)
+        return await self.ops.owner(buffer).run(frames, budget=_budget(timeout, context))
 
     @_rpc
     async def EpisodeCatalog(self, request: pb.EpisodeCatalogRequest, context) -> bytes:
+        buffer = self.ops.registry.get(request.name)
+
         def frames() -> bytes:
-            catalog = self.ops.episode_catalog(request.name,
-                                               decode_meta(request.filter_meta) or None)
+            catalog = buffer.episode_catalog(decode_meta(request.filter_meta) or None)
             return self._check_reply(encode_with_batch(SAMPLE_BATCH_FIELD, catalog),
                                      "episode_catalog")
-        return await self.ops.run(frames)
+        return await self.ops.owner(buffer).run(frames)
 
     @_rpc
     async def Read(self, request: pb.ReadRequest, context) -> bytes:
@@ -291,15 +279,15 @@ class ReplayService:
 
         def read() -> bytes:
             return encode_with_batch(SAMPLE_BATCH_FIELD, self.ops.read(
-                request.name, seqs, names, None, request.positions, request.episode_ids))
+                buffer, seqs, names, None, request.positions, request.episode_ids))
 
-        if nbytes <= INLINE_BYTES:  # a learner's batch by position: on the loop, as samples
-            return await self.ops.admit_small(buffer, None, read)
-        return await self.ops.run(read)
+        # a learner's batch by position: small ones on the loop, as samples
+        return await self.ops.owner(buffer).run(read, small=nbytes <= INLINE_BYTES)
 
     @_rpc
     async def Reset(self, request: pb.ResetRequest, context) -> pb.ResetReply:
-        await self.ops.run(self.ops.reset, request.name)
+        buffer = self.ops.registry.get(request.name)
+        await self.ops.owner(buffer).run(buffer.reset)
         return pb.ResetReply()
 
     def _check_reply(self, reply: Any, op: str) -> Any:
@@ -313,7 +301,8 @@ class ReplayService:
 
     @_rpc
     async def Close(self, request: pb.CloseRequest, context) -> pb.CloseReply:
-        await self.ops.run(self.ops.delete, request.name)
+        buffer = self.ops.registry.get(request.name)
+        await self.ops.owner(buffer).run(self.ops.delete, request.name)  # parked calls end
         return pb.CloseReply()
 
     @_rpc

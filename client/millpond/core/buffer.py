@@ -24,7 +24,6 @@ from .fileops import sync_fd
 from .checks import check_batch_size, check_priorities, check_seed, check_timeout
 from .config import BufferConfig, ConfiguredBuffer
 from .contents import Contents
-from .drawahead import DrawAhead
 from .episodic import EpisodicReads
 from .footprint import hot_nbytes, memory_needed, slot_arrays_for
 from .memory import available_memory, check_available, memory_limit
@@ -32,13 +31,12 @@ from .fifo import Fifo
 from .prioritized import PriorityUpdates
 from .fileops import temp_path
 from .info import BufferInfo
-from .ratelimit import RateState, RateWaits
+from .ratelimit import RateState
 from .recovery import recover
 from .tier import Tier
 
 
-class TieredBuffer(PriorityUpdates, DrawAhead, EpisodicReads, Contents,
-                   RateWaits, ConfiguredBuffer):
+class TieredBuffer(PriorityUpdates, EpisodicReads, Contents, ConfiguredBuffer):
     """Hot ring + cold mapped-file ring behind one FIFO, as ``config`` describes.
 
     ``total_capacity == hot_capacity`` means no cold tier: the record leaving

@@ -15,7 +15,7 @@ So ``inserts * samples_per_insert - samples`` stays within ``[min_diff,
 max_diff]``: learners cannot run ahead of actors, nor actors ahead of
 learners, by more than the band. No locking here: the buffer's lock guards
 the state; :meth:`RateState.wait_until` makes calls wait on a condition of
-that lock, and :meth:`RateState.changed` wakes them (and any listeners).
+that lock, and :meth:`RateState.changed` wakes them.
 """
 
 from __future__ import annotations
@@ -140,17 +140,13 @@ def Queue(size: int) -> RateLimiter:  # noqa: N802
 class RateState:
     """One buffer's counters, its waits, and the rule applied to them.
 
-    Every method runs with the buffer's ``lock`` held, except
-    :meth:`wait_started` / :meth:`wait_ended` when a server calls them (see
-    :meth:`millpond.core.TieredBuffer.wait_started`).
+    Every method runs with the buffer's ``lock`` held.
     """
 
     def __init__(self, limiter: RateLimiter | None, lock: Any = None):
         self.limiter = limiter
-        # Waiting calls sleep here; every change that may let them proceed
-        # notifies it, and the listeners (e.g. a server's event loop).
+        # Waiting calls sleep here; every change that may let them proceed notifies it.
         self._cond = threading.Condition(lock or threading.Lock())
-        self._listeners: list[Callable[[], None]] = []
         self.inserts = 0
         self.samples = 0
         self.offset = 0.0  # added to the diff: a reopened buffer restarts mid-band
@@ -216,7 +212,8 @@ class RateState:
         if ready():
             return
         if timeout == 0:  # a try-only call is not a wait
-            raise RateLimitTimeoutError(self._timed_out(kind, timeout, size()), kind, n)
+            raise RateLimitTimeoutError(self._timed_out(kind, timeout, size()), kind, n,
+                                        self.describe(size()))
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         self.wait_started(kind)
@@ -224,7 +221,8 @@ class RateState:
             while not ready():
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise RateLimitTimeoutError(self._timed_out(kind, timeout, size()), kind, n)
+                    raise RateLimitTimeoutError(self._timed_out(kind, timeout, size()), kind, n,
+                                                self.describe(size()))
                 self._cond.wait(remaining)
                 still_open()
         finally:
@@ -235,14 +233,9 @@ class RateState:
                 f"({self.describe(size)})")
 
     def changed(self) -> None:
-        """Wake waiting calls and listeners: the state has changed (or the buffer closed)."""
+        """Wake waiting calls: the state has changed (or the buffer closed)."""
         if self.limiter is not None:
             self._cond.notify_all()
-            for listener in self._listeners:
-                listener()
-
-    def add_listener(self, listener: Callable[[], None]) -> None:
-        self._listeners.append(listener)
 
     def wait_started(self, kind: str) -> None:
         self.waiting[kind] += 1
@@ -271,48 +264,3 @@ class RateState:
             "waiting_inserts": self.waiting["insert"],
             "waiting_samples": self.waiting["sample"],
         }
-
-
-class RateWaits:
-    """The buffer's calls for waiters outside it (a server's event loop): a mixin of
-    :class:`~.buffer.TieredBuffer`, over its lock, :class:`RateState` and size."""
-
-    _lock: threading.Lock
-    _rate: RateState
-    _closed: bool
-    _size: Callable[[], int]
-    _sample_ready: Callable[[int], bool]
-
-    def describe_rate(self) -> str:
-        """The rate limiter's state in words (for timeout messages)."""
-        with self._lock:
-            return self._rate.describe(self._size())
-
-    def add_listener(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` (cheap, non-blocking, lock held) after every change that
-        may let a rate-limited push or sample proceed, and at close: for waiters
-        that cannot sleep on this buffer's condition, like an event loop."""
-        with self._lock:
-            self._rate.add_listener(listener)
-
-    def would_wait(self, kind: str, n: int) -> bool:
-        """Whether a push (``kind="insert"``) or sample of ``n`` records would wait now.
-
-        A hint read without the lock: the call itself decides (a closed buffer
-        never waits: the call raises).
-        """
-        if self._closed:
-            return False
-        if kind == "insert":
-            return not self._rate.can_insert(n, self._size())
-        return not self._sample_ready(n)
-
-    def wait_started(self, kind: str) -> None:
-        """Count a call of ``kind`` ("insert", "sample") that waits outside the buffer,
-        so that the statistics stay in one place. For a server, whose engine
-        calls never wait themselves: its one waiting thread (the event loop)
-        makes these calls, without the buffer's lock."""
-        self._rate.wait_started(kind)
-
-    def wait_ended(self, kind: str, seconds: float) -> None:
-        self._rate.wait_ended(kind, seconds)
