@@ -28,12 +28,11 @@ _real_sample = service.ReplayService._sample_frames
 _replies: dict[tuple[int, int], bytes] = {}
 
 
-def _push_frames(self: service.ReplayService, name: str, batches: Any, priorities: Any,
-                 buffer: TieredBuffer | None, updates: Any = None) -> tuple[int, int]:
-    target = self.ops.registry.get(name)
-    if len(target) < target.config.total_capacity:
-        return _real_push(self, name, batches, priorities, buffer, updates)
-    return len(target), target.pushed
+def _push_frames(self: service.ReplayService, buffer: TieredBuffer, batches: Any,
+                 priorities: Any, updates: Any) -> tuple[int, int]:
+    if len(buffer) < buffer.config.total_capacity:
+        return _real_push(self, buffer, batches, priorities, updates)
+    return len(buffer), buffer.pushed
 
 
 def _sample_frames(self: service.ReplayService, buffer: TieredBuffer, batch_size: int,

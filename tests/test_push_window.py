@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import millpond
-from support import ServerProcess
+from support import ServerProcess, wait_until
 from test_contract import transitions
 
 
@@ -95,3 +95,20 @@ def test_max_in_flight_is_checked():
     for bad in (0, -1, 1.5, True, 10**9):
         with pytest.raises(millpond.InvalidConfigError):
             millpond.connect("127.0.0.1:1", max_in_flight=bad)
+
+
+def test_a_push_returns_once_sent_while_the_server_holds_it(server):
+    """A full queue holds a push at the server (rate limiter): an actor with pushes in
+    flight goes on meanwhile; once a learner makes room, flush() sees it stored."""
+    admin = millpond.connect(server.address, shm=False)
+    queue = admin.create_buffer("held", capacity=5, obs_dim=2, act_dim=1, mode="queue")
+    actor = millpond.connect(server.address, shm=False, max_in_flight=4).buffer("held")
+    actor.push_batch(**transitions(0, 5))
+    actor.flush()
+    actor.push_batch(**transitions(5, 1), timeout=60)  # the queue is full: held at the server
+    wait_until(lambda: queue.info()["waiting_inserts"] == 1)  # sent, parked at the server
+    assert queue.sample(1)["rewards"].tolist() == [0.0]  # room for it
+    actor.flush()
+    assert queue.sample(5)["rewards"].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    queue.close()
+    admin.close()

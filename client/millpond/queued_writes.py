@@ -73,7 +73,7 @@ class QueuedWrites:
             self._check_priorities_allowed(priority)
             prios = None if priority is None else check_priorities([priority], 1)
             batch = self.schema.coerce_record(record)
-            self.flush()
+            self._flush_queued()
             self._send(1, batch, prios, timeout, ids, checked)
             return
         if self._batcher is None:
@@ -103,12 +103,16 @@ class QueuedWrites:
         checked = check_updates(self.config, updates) if updates else None
         self._check_priorities_allowed(priorities)
         prios = None if priorities is None else check_priorities(priorities, n)
-        self.flush()
+        self._flush_queued()
         self._send(n, batch, prios, timeout, ids, checked)
         return n
 
     def flush(self) -> None:
         """Return once every record queued by ``push`` is stored."""
+        self._flush_queued()
+
+    def _flush_queued(self) -> None:
+        """Send the records queued by ``push`` (before a push sent at once: in order)."""
         if self._batcher is not None:
             self._batcher.flush()
 
