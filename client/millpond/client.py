@@ -154,7 +154,7 @@ class Client(BufferMaker):
         self._connection: Connection | None = None
         self._pid = -1
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple]:
         settings = dict(timeout=self.timeout, max_message_mb=self.max_message_bytes >> 20,
                         shm=self.shm, push_batch_size=self.push_batch_size,
                         push_max_delay=self.push_max_delay, max_in_flight=self.max_in_flight,

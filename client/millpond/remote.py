@@ -70,7 +70,7 @@ class RemoteBuffer(QueuedWrites, ConfiguredBuffer):
         self._window: tuple[Connection, PushWindow] | None = None
         self._windowed = windowed
 
-    def __reduce__(self):  # pending records stay with this handle, never in a pickle
+    def __reduce__(self) -> tuple[Any, tuple]:  # pending records stay with this handle, never in a pickle
         return (RemoteBuffer, (self._client, self.name, self.config))
 
     def __len__(self) -> int:

@@ -102,7 +102,7 @@ class ShardedClient(BufferMaker):
         self._probing: set[int] = set()
         self._probe_channels: dict[int, grpc.Channel] = {}
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple]:
         return (_rebuild, (list(self.addresses), self._client_class, self._settings))
 
     @property

@@ -76,7 +76,7 @@ class ShardedBuffer(ShardedReads, QueuedWrites, ConfiguredBuffer):
         self._lock = threading.Lock()
         self._beta: float | None = None  # the last set_beta: down shards get it once back
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple]:
         return (ShardedBuffer, (self._client, self.name, self.shard_configs))
 
     @property

@@ -11,7 +11,7 @@ shared-memory sessions), :mod:`.app` (lifecycle, signals), :mod:`.config` and
 __all__ = ["main"]
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     from .cli import main as _main
 
     return _main(argv)

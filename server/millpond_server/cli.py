@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any, Sequence
 
 import grpc
 
@@ -111,7 +112,7 @@ def _unreachable(command: str, address: str, exc: grpc.RpcError) -> int:
     return 1
 
 
-def _channel(address: str):
+def _channel(address: str) -> tuple[Any, Any]:
     """``(channel, metadata)`` from MILLPOND_TOKEN and MILLPOND_TLS_*, as connect() reads them."""
     from millpond.security import Credentials
 
@@ -119,7 +120,7 @@ def _channel(address: str):
     return credentials.channel(address, []), credentials.metadata()
 
 
-def _fields_text(config) -> str:
+def _fields_text(config: Any) -> str:
     import numpy as np
 
     parts = []
@@ -130,7 +131,7 @@ def _fields_text(config) -> str:
     return " ".join(parts)
 
 
-def format_table(buffers) -> str:
+def format_table(buffers: list[Any]) -> str:
     header = ("NAME", "SIZE", "HOT/TOTAL", "PUSHED", "SAMPLED", "SAMPLES/INSERT", "WAITING",
               "RECORD_BYTES", "FIELDS")
     rows = [
@@ -143,7 +144,7 @@ def format_table(buffers) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     right = set(range(1, len(header) - 1))  # numbers align right
 
-    def line(row):
+    def line(row: Sequence[str]) -> str:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
         return "  ".join(cells).rstrip()
 

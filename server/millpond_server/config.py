@@ -12,7 +12,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .declared import BufferSpec, ConfigError, DatasetSpec, dataset_spec, load_buffers, load_datasets
 
@@ -227,7 +227,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "--config only]")
 
 
-def resolve_serve_config(args: argparse.Namespace, environ=os.environ) -> ServeConfig:
+def resolve_serve_config(args: argparse.Namespace,
+                         environ: Mapping[str, str] = os.environ) -> ServeConfig:
     """Flag wins over environment, environment over default; then load the TOML."""
     values: dict[str, Any] = {}
     for opt in SERVE_OPTIONS:

@@ -16,6 +16,7 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from millpond.core import BufferConfig, BufferInfo, TieredBuffer
 from millpond.core.dataset import ReadOnlyBuffer
@@ -134,7 +135,7 @@ class Registry:
                 "buffer": name, "records": len(buffer), "pushed": buffer.pushed}})
         return len(paths)
 
-    def _progress(self, done: int, total: int, name: str):
+    def _progress(self, done: int, total: int, name: str) -> Callable[[int, int], None]:
         """The progress callback of one buffer's recovery: kept for the metrics, logged."""
         logger = _progress_logger(name)
 
@@ -300,7 +301,7 @@ def _lock_directory(data_dir: Path) -> int:
     return fd
 
 
-def _progress_logger(name: str, every: float = 2.0):
+def _progress_logger(name: str, every: float = 2.0) -> Callable[[int, int], None]:
     """A progress callback that logs at most every ``every`` seconds."""
     last = [time.monotonic()]
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, TypeAlias
 
 import grpc
 import numpy as np
@@ -65,6 +65,7 @@ _DESCRIPTORS = pb.DESCRIPTOR.services_by_name["Replay"].methods
 _METHODS = tuple(m.name for m in _DESCRIPTORS if not m.client_streaming)
 STREAMED = {m.name: m.name.removesuffix("Stream") for m in _DESCRIPTORS if m.client_streaming}
 # The role the running call authenticated as (each call runs in a task of its own).
+Context: TypeAlias = grpc.aio.ServicerContext  # (grpc has no type stubs)
 _ROLE: contextvars.ContextVar[str | None] = contextvars.ContextVar("millpond_role", default=None)
 
 
@@ -74,7 +75,7 @@ def _rpc(method: Callable) -> Callable:
     parse = _REQUESTS[method.__name__]
 
     @functools.wraps(method)
-    async def handler(self: "ReplayService", raw: bytes, context: grpc.aio.ServicerContext):
+    async def handler(self: "ReplayService", raw: bytes, context: Context) -> Any:
         try:
             _ROLE.set(self.ops.auth.rpc_role(method.__name__, context))
             self.ops.check_ready()
@@ -135,14 +136,14 @@ class ReplayService:
         self.max_message_bytes = max_message_mb * 1024 * 1024
 
     @_rpc
-    async def Create(self, request: pb.CreateRequest, context) -> pb.CreateReply:
+    async def Create(self, request: pb.CreateRequest, context: Context) -> pb.CreateReply:
         name = check_name(request.name)
         info, created = await self.ops.run(self.ops.create, name,
                                            config_from_proto(request.config), _ROLE.get() == ADMIN)
         return pb.CreateReply(info=info_to_proto(info), created=created)
 
     @_rpc
-    async def Push(self, request: pb.PushRequest, context) -> pb.PushReply:
+    async def Push(self, request: pb.PushRequest, context: Context) -> pb.PushReply:
         timeout = request.timeout if request.HasField("timeout") else None
         buffer = self.ops.registry.get(request.name)
         size, pushed = await self.ops.owner(buffer).run(
@@ -150,7 +151,7 @@ class ReplayService:
         return pb.PushReply(size=size, pushed=pushed)
 
     @_rpc
-    async def PushBatch(self, request: bytes, context) -> pb.PushReply:
+    async def PushBatch(self, request: bytes, context: Context) -> pb.PushReply:
         # Arrives unparsed (see add_to_server); its top-level fields are read
         # here, its columns where the push runs (the pool, if it is large).
         name, batches, priorities, timeout, raw_updates = split_push_batch(request)
@@ -169,7 +170,7 @@ class ReplayService:
         return self.ops.push_batch(buffer, decode_batches(batches), priorities, updates)
 
     @_rpc
-    async def Sample(self, request: pb.SampleRequest, context) -> bytes:
+    async def Sample(self, request: pb.SampleRequest, context: Context) -> bytes:
         seed = request.seed if request.HasField("seed") else None
         timeout = request.timeout if request.HasField("timeout") else None
         if request.HasField("n_step") or request.filter_meta.columns:  # episodic buffers
@@ -206,14 +207,14 @@ class ReplayService:
 
     @_rpc
     async def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest,
-                               context) -> pb.UpdatePrioritiesReply:
+                               context: Context) -> pb.UpdatePrioritiesReply:
         buffer = self.ops.registry.get(request.name)
         updated = await self.ops.owner(buffer).run(
             buffer.update_priorities, list(request.indices), list(request.priorities))
         return pb.UpdatePrioritiesReply(updated=updated)
 
     @_rpc
-    async def SetBeta(self, request: pb.SetBetaRequest, context) -> pb.SetBetaReply:
+    async def SetBeta(self, request: pb.SetBetaRequest, context: Context) -> pb.SetBetaReply:
         buffer = self.ops.registry.get(request.name)
         await self.ops.owner(buffer).run(buffer.set_beta, request.beta, small=True)
         return pb.SetBetaReply()
@@ -222,20 +223,20 @@ class ReplayService:
 
     @_rpc
     async def UpdateEpisodes(self, request: pb.UpdateEpisodesRequest,
-                             context) -> pb.UpdateEpisodesReply:
+                             context: Context) -> pb.UpdateEpisodesReply:
         buffer = self.ops.registry.get(request.name)
         await self.ops.owner(buffer).run(buffer.update_episodes, decode_updates(request))
         return pb.UpdateEpisodesReply()
 
     @_rpc
-    async def SampleSequences(self, request: pb.SampleSequencesRequest, context) -> bytes:
+    async def SampleSequences(self, request: pb.SampleSequencesRequest, context: Context) -> bytes:
         return await self._episodic("sample_sequences", request.name, request.batch_size,
                                     optional(request, "seed"), request.filter_meta,
                                     {"seq_len": request.seq_len}, optional(request, "timeout"),
                                     context)
 
     @_rpc
-    async def SampleEpisodes(self, request: pb.SampleEpisodesRequest, context) -> bytes:
+    async def SampleEpisodes(self, request: pb.SampleEpisodesRequest, context: Context) -> bytes:
         return await self._episodic("sample_episodes", request.name, request.batch_size,
                                     optional(request, "seed"), request.filter_meta,
                                     {"max_len": optional(request, "max_len")},
@@ -259,7 +260,7 @@ class ReplayService:
         return await self.ops.owner(buffer).run(frames, budget=_budget(timeout, context))
 
     @_rpc
-    async def EpisodeCatalog(self, request: pb.EpisodeCatalogRequest, context) -> bytes:
+    async def EpisodeCatalog(self, request: pb.EpisodeCatalogRequest, context: Context) -> bytes:
         buffer = self.ops.registry.get(request.name)
 
         def frames() -> bytes:
@@ -269,7 +270,7 @@ class ReplayService:
         return await self.ops.owner(buffer).run(frames)
 
     @_rpc
-    async def Read(self, request: pb.ReadRequest, context) -> bytes:
+    async def Read(self, request: pb.ReadRequest, context: Context) -> bytes:
         buffer = self.ops.registry.get(request.name)
         names = check_fields(buffer.config, list(request.fields) or None)  # before sizing them
         nbytes = self._check_reply(episodic_reply_nbytes(
@@ -285,7 +286,7 @@ class ReplayService:
         return await self.ops.owner(buffer).run(read, small=nbytes <= INLINE_BYTES)
 
     @_rpc
-    async def Reset(self, request: pb.ResetRequest, context) -> pb.ResetReply:
+    async def Reset(self, request: pb.ResetRequest, context: Context) -> pb.ResetReply:
         buffer = self.ops.registry.get(request.name)
         await self.ops.owner(buffer).run(buffer.reset)
         return pb.ResetReply()
@@ -300,22 +301,22 @@ class ReplayService:
         return reply
 
     @_rpc
-    async def Close(self, request: pb.CloseRequest, context) -> pb.CloseReply:
+    async def Close(self, request: pb.CloseRequest, context: Context) -> pb.CloseReply:
         buffer = self.ops.registry.get(request.name)
         await self.ops.owner(buffer).run(self.ops.delete, request.name)  # parked calls end
         return pb.CloseReply()
 
     @_rpc
-    async def Info(self, request: pb.InfoRequest, context) -> pb.BufferInfo:
+    async def Info(self, request: pb.InfoRequest, context: Context) -> pb.BufferInfo:
         return info_to_proto(await self.ops.run(self.ops.info, request.name))
 
     @_rpc
-    async def List(self, request: pb.ListRequest, context) -> pb.ListReply:
+    async def List(self, request: pb.ListRequest, context: Context) -> pb.ListReply:
         infos = await self.ops.run(self.ops.list)
         return pb.ListReply(buffers=[info_to_proto(info) for info in infos])
 
     @_rpc
-    async def Negotiate(self, request: pb.NegotiateRequest, context) -> pb.NegotiateReply:
+    async def Negotiate(self, request: pb.NegotiateRequest, context: Context) -> pb.NegotiateReply:
         boot_id = read_boot_id()
         if not boot_id or request.boot_id != boot_id:  # another host: tell it nothing
             return pb.NegotiateReply(shm=False)
@@ -329,7 +330,7 @@ class ReplayService:
                                  boot_id=boot_id, uid=self.fastpath.uid, ticket=ticket)
 
 
-def _passthrough_or_serialize(message) -> bytes:
+def _passthrough_or_serialize(message: Any) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 

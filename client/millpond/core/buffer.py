@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NoReturn
 
 import numpy as np
 
@@ -360,7 +360,7 @@ class TieredBuffer(PriorityUpdates, EpisodicReads, Contents, ConfiguredBuffer):
         if self._closed:
             raise BufferClosedError("operation on a closed buffer")
 
-    def __reduce__(self):
+    def __reduce__(self) -> NoReturn:
         raise TypeError(
             "an in-process buffer cannot be pickled; to share one buffer between "
             "processes, serve it (millpond serve) and pass address= and name="

@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -134,7 +134,7 @@ class TierFile:
 
     # ---- page cache --------------------------------------------------------------------
 
-    def _spans(self, lo: int, hi: int):
+    def _spans(self, lo: int, hi: int) -> Iterator[tuple[int, int]]:
         """``(offset, length)`` of slots ``[lo, hi)`` in each region, widened to whole pages."""
         for name, size in self.row_nbytes.items():
             start = (self.offsets[name] + lo * size) // PAGE * PAGE

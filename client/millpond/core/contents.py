@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import IndexOutOfRangeError
 from .config import BufferConfig
-from .draw import Proportional, strategy_for
+from .draw import Proportional, Strategy, strategy_for
 from .episodes import EpisodeIndex
 from .episodic import check_fields
 from .fifo import Fifo
@@ -30,7 +30,7 @@ class Contents:
     config: BufferConfig
     persistent: bool
     _fifo: Fifo
-    _strategy: Any
+    _strategy: Strategy
     _episodes: EpisodeIndex | None
     _lock: Any
     _rate: RateState

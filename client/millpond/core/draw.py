@@ -9,10 +9,11 @@
 * :class:`UseLimit` wraps either tree strategy: a record leaves the draw
   after its ``max_times_sampled``-th draw.
 
-:func:`strategy_for` builds the one a config asks for. Strategies hear the
-FIFO's changes through the :class:`~millpond.core.fifo.FifoListener` hooks
-(no-ops unless they keep state per slot) plus :meth:`appended`. The buffer
-holds its lock around every call.
+:func:`strategy_for` builds the one a config asks for; each is a
+:class:`Strategy`. Strategies hear the FIFO's changes through the
+:class:`~millpond.core.fifo.FifoListener` hooks (no-ops unless they keep
+state per slot) plus :meth:`Strategy.appended`. The buffer holds its lock
+around every call.
 
 Persistent buffers keep per-slot state in the file's slot arrays (see
 :mod:`.bufferfile`): priorities and their owners, draw counts. Writes there
@@ -23,14 +24,14 @@ corrupt one (see :meth:`Proportional.restore`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import NotEnoughDataError
 from .bufferfile import BufferFile
 from .config import BufferConfig, Prioritized
-from .fifo import Fifo
+from .fifo import Fifo, FifoListener
 from .sumtree import SumTree
 
 # Slot arrays a persistent buffer's file holds for its strategy.
@@ -49,7 +50,30 @@ def strategy_arrays(config: BufferConfig) -> dict[str, str]:
     return arrays
 
 
-def strategy_for(config: BufferConfig, fifo: Fifo, file: BufferFile | None, persistent: bool):
+class Strategy(FifoListener, Protocol):
+    """What the buffer asks of a drawing strategy (lock held)."""
+
+    fifo: Fifo
+    extras: tuple[str, ...]  # keys a sample adds ("weights", "indices")
+    removed: int  # live records that can no longer be drawn
+
+    def appended(self, lo: int, hi: int, priorities: np.ndarray | None) -> None:
+        """Records ``[lo, hi)`` are live (``priorities``: one per record, or None)."""
+
+    def restore(self) -> None:
+        """Rebuild per-slot state after the FIFO was reopened."""
+
+    def drawable(self, seqs: np.ndarray) -> np.ndarray:
+        """Which of the live ``seqs`` may still be drawn."""
+
+    def draw(self, rng: np.random.Generator, k: int, among: np.ndarray | None = None
+             ) -> tuple[np.ndarray, dict]:
+        """``k`` seqs and the extra keys of the sample (``k`` records drawable);
+        ``among``: draw only from these live seqs (sorted, no holes)."""
+
+
+def strategy_for(config: BufferConfig, fifo: Fifo, file: BufferFile | None,
+                 persistent: bool) -> Strategy:
     """The drawing strategy of a replay-mode buffer with ``config``."""
     keep = file if persistent else None
     if config.prioritized is not None:
@@ -185,7 +209,7 @@ class Proportional(_Tree):
     ``priority_seq``, the seq whose priority it is (written after it).
     """
 
-    extras = SAMPLE_EXTRAS
+    extras: tuple[str, ...] = SAMPLE_EXTRAS
 
     def __init__(self, fifo: Fifo, prioritized: Prioritized, file: BufferFile | None):
         super().__init__(fifo)

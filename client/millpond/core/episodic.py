@@ -23,6 +23,7 @@ from .checks import (
 )
 from .config import BufferConfig
 from .episodes import EpisodeIndex, check_meta, record_ends
+from .draw import Strategy
 from .fifo import Fifo
 from . import sequences
 from .sequences import Out
@@ -38,7 +39,7 @@ class EpisodicReads:
     config: BufferConfig
     _episodes: EpisodeIndex | None
     _fifo: Fifo
-    _strategy: Any
+    _strategy: Strategy
     _lock: Any
     _check_open: Callable[[], None]
     _generator: Callable[[int | None], np.random.Generator]

@@ -215,7 +215,7 @@ class Fifo:
 
     # ---- recovery ----------------------------------------------------------------
 
-    def damaged(self, progress=None) -> np.ndarray:
+    def damaged(self, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """Live seqs whose slot fails its seq or checksum check, sorted.
 
         ``progress(checked, live)`` is called as the check goes.
@@ -223,10 +223,13 @@ class Fifo:
         live = self.pushed - self.first
         cold_live = self.hot_lo - self.first
         bad = []
+
+        def from_(offset: int) -> Callable[[int], None] | None:
+            if progress is None:
+                return None
+            return lambda done: progress(offset + done, live)
+
         if self.cold is not None:
-            bad.append(self.cold.damaged(
-                self.first, self.hot_lo, progress and (lambda done: progress(done, live))))
-        bad.append(self.hot.damaged(
-            self.hot_lo, self.pushed,
-            progress and (lambda done: progress(cold_live + done, live))))
+            bad.append(self.cold.damaged(self.first, self.hot_lo, from_(0)))
+        bad.append(self.hot.damaged(self.hot_lo, self.pushed, from_(cold_live)))
         return np.sort(np.concatenate(bad))

@@ -7,7 +7,7 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from .checks import check_indices, check_priorities
 from .config import check_exponent
-from .draw import Proportional
+from .draw import Proportional, Strategy
 from .fifo import Fifo
 
 
@@ -15,7 +15,7 @@ class PriorityUpdates:
     """:meth:`update_priorities` and :meth:`set_beta`, for :class:`.buffer.TieredBuffer`."""
 
     _fifo: Fifo
-    _strategy: Any
+    _strategy: Strategy
     _lock: Any
     _check_open: Any
 

@@ -10,6 +10,7 @@ records: then they become the FIFO's holes, never served.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from ..errors import CorruptFileError
 from .bufferfile import BufferFile
@@ -18,7 +19,7 @@ from .fifo import Fifo
 
 
 def recover(path: str | os.PathLike, *, sync_every_push: bool = False, skip_corrupt: bool = False,
-            progress=None) -> tuple[BufferConfig, Fifo]:
+            progress: Callable[[int, int], None] | None = None) -> tuple[BufferConfig, Fifo]:
     """The config and the checked FIFO of the persistent buffer file at ``path``.
 
     Raises CorruptFileError for a file that is not a sound persistent

@@ -11,7 +11,7 @@ import math
 import operator
 from collections import abc
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -157,7 +157,7 @@ class Schema:
     def __getitem__(self, name: str) -> Field:
         return self._by_name[name]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Field]:
         return iter(self.fields)
 
     def __eq__(self, other: object) -> bool:

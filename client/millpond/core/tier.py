@@ -8,7 +8,7 @@ decides what lives where.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -114,7 +114,7 @@ class Tier:
             assert self.file is not None
             self.file.read_rows(slots, reads)
 
-    def damaged(self, lo: int, hi: int, progress=None,
+    def damaged(self, lo: int, hi: int, progress: Callable[[int], None] | None = None,
                 chunk_bytes: int = CHECK_CHUNK_BYTES) -> np.ndarray:
         """Seqs in ``[lo, hi)`` (all meant to be held here) whose slot fails its checks.
 
