@@ -15,6 +15,8 @@ import millpond
 from millpond import datasets
 from support import ServerProcess
 
+pytestmark = pytest.mark.daemon
+
 
 def write_files(folder):
     rng = np.random.default_rng(0)

@@ -21,6 +21,8 @@ import pytest
 import millpond
 from support import ServerProcess, run_everywhere
 
+pytestmark = pytest.mark.daemon
+
 META = {"task": ("int64", ())}
 KINDS = {
     "ram": dict(capacity=40),
@@ -173,6 +175,7 @@ def episode_steps(actor: int, number: int, length: int) -> dict:
             "truncated": np.zeros(length, bool)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_acknowledged_episodes_survive_a_crash_of_the_daemon(tmp_path, sig):
     data = tmp_path / "data"

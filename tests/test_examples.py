@@ -18,7 +18,9 @@ pytest.importorskip("gymnasium")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-pytestmark = pytest.mark.usefixtures("private_tmpdir")  # SB3 logs go there
+# Each example trains, and starts its own daemon.
+pytestmark = [pytest.mark.daemon, pytest.mark.slow,
+              pytest.mark.usefixtures("private_tmpdir")]  # SB3 logs go there
 
 
 def run(name: str, *args: str, timeout: float = 100) -> dict[str, float]:

@@ -24,6 +24,8 @@ import millpond
 from support import ServerProcess, wait_until
 from test_contract import transitions
 
+pytestmark = pytest.mark.daemon
+
 WITHOUT_STREAMS = str(Path(__file__).with_name("daemon_without_streams.py"))
 
 

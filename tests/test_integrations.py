@@ -28,11 +28,12 @@ pytestmark = pytest.mark.usefixtures("private_tmpdir")  # SB3 logs go there
 _names = itertools.count()
 
 
-@pytest.fixture(params=["local", "server"])
-def where(request, shared_server):
+@pytest.fixture(params=["local", pytest.param("server", marks=pytest.mark.daemon)])
+def where(request):
     """Keyword arguments that put the adapter in-process or on the shared server."""
     if request.param == "local":
         return {}
+    shared_server = request.getfixturevalue("shared_server")
     return {"address": shared_server.address, "name": f"sb3-{next(_names)}"}
 
 

@@ -25,10 +25,11 @@ _names = itertools.count()
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(params=["local", "server"])
-def where(request, shared_server):
+@pytest.fixture(params=["local", pytest.param("server", marks=pytest.mark.daemon)])
+def where(request):
     if request.param == "local":
         return {}
+    shared_server = request.getfixturevalue("shared_server")
     return {"address": shared_server.address, "name": f"objectrl-{next(_names)}"}
 
 

@@ -316,6 +316,7 @@ sys.stdin.read()
         reopened.close()
 
 
+@pytest.mark.daemon
 def test_reset_on_a_server_survives_a_restart(tmp_path):
     data = tmp_path / "data"
     with ServerProcess(data) as server:

@@ -333,6 +333,7 @@ def test_priorities_on_a_uniform_remote_buffer_are_refused(shared_server):
         client.create_buffer("prio-uniform", capacity=10, obs_dim=2, act_dim=1, prioritized=True)
 
 
+@pytest.mark.daemon
 def test_a_prioritized_buffer_stays_prioritized_across_restarts(tmp_path):
     with ServerProcess(tmp_path / "data") as server:
         buf = millpond.PrioritizedReplayBuffer(20, 2, 1, alpha=0.5, beta=0.3,

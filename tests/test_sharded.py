@@ -217,6 +217,8 @@ def test_queues_pop_from_the_fullest_shard_and_classes_take_address_lists(shards
 
 # ---- a shard dies and comes back -----------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.daemon
 def test_a_shard_killed_and_restarted_mid_run_loses_nothing_acknowledged(tmp_path):
     servers = start_all([ServerProcess(tmp_path / f"shard{i}") for i in range(3)])
     try:

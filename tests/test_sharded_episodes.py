@@ -11,6 +11,8 @@ import pytest
 import millpond
 from support import ServerProcess, start_all
 
+pytestmark = pytest.mark.daemon
+
 META = {"task": ("int64", ())}
 _names = itertools.count()
 
