@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import h5py
 import numpy as np
 import pytest
 
@@ -19,6 +18,8 @@ pytestmark = pytest.mark.daemon
 
 
 def write_files(folder):
+    import h5py
+
     rng = np.random.default_rng(0)
     n = 300
     terminals = np.zeros(n, bool)
