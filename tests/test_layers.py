@@ -16,7 +16,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"millpond": ROOT / "client" / "millpond",
             "millpond_server": ROOT / "server" / "millpond_server"}
-GENERATED = "millpond.v1"
 
 
 def modules() -> dict[str, Path]:
@@ -161,10 +160,3 @@ def test_the_daemon_does_not_load_the_client_library(entry):
                    "millpond.batching", "millpond.transport", "millpond.sampler"}
     assert "millpond.core.buffer" in loaded
     assert not loaded & client_side, sorted(loaded & client_side)
-
-
-def test_no_module_is_over_400_lines():
-    long = {module: n for module, path in MODULES.items()
-            if not module.startswith(GENERATED)
-            and (n := len(path.read_text().splitlines())) > 400}
-    assert long == {}
