@@ -112,7 +112,7 @@ def test_writes_are_refused_and_change_nothing(served, client):
     calls = [
         lambda: buf.push_batch(**one),
         lambda: (buf.push(**{k: v[0] for k, v in one.items()}), buf.flush()),
-        lambda: buf._backend.update_episodes([(0, None, True)]),
+        lambda: buf.backend.update_episodes([(0, None, True)]),
         lambda: buf.reset(),
         lambda: buf.delete(),
         lambda: client.delete_buffer("walker"),
