@@ -5,7 +5,32 @@ import tempfile
 
 import pytest
 
+import support
 from support import ServerProcess, start_all
+
+# Fixtures that start daemons: these three, and a few modules' own (test_auth.py's, test_tls.py's).
+# A test using one, directly or through another fixture, is a `daemon` test (pyproject.toml
+# lists the kinds; `make test-fast` leaves them out). A test that starts a daemon otherwise
+# is marked where it is written; support.ServerProcess fails a test that is not.
+DAEMON_FIXTURES = frozenset({"server", "shared_server", "shards",
+                             "auth_server", "tls_server", "mtls_server"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if DAEMON_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.daemon)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Tell support.ServerProcess which test it starts a daemon for (setup to teardown)."""
+    support.running_test = item
+    try:
+        yield
+    finally:
+        support.running_test = None
 
 
 @pytest.fixture

@@ -16,6 +16,21 @@ import millpond
 
 READY_PREFIX = "serving on "
 
+# The test pytest is running (tests/conftest.py sets it); None outside pytest (bench/).
+running_test = None
+
+
+def check_marked_daemon() -> None:
+    """Refuse to start a daemon for a test that is not marked ``daemon``: ``make test-fast``
+    (``-m "not daemon and ..."``) must start none."""
+    item = running_test
+    if item is not None and item.get_closest_marker("daemon") is None:
+        import pytest
+
+        pytest.fail(f"{item.nodeid} starts a daemon but is not marked daemon "
+                    "(pytest.mark.daemon, or one of the fixtures in tests/conftest.py)",
+                    pytrace=False)
+
 
 class ServerProcess:
     """A `millpond serve` subprocess on a free port (``--port 0``).
@@ -41,6 +56,7 @@ class ServerProcess:
         self.address: str | None = None
 
     def start(self, timeout: float = 30.0) -> "ServerProcess":
+        check_marked_daemon()
         self.proc = subprocess.Popen(
             self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
             preexec_fn=None if self.cgroup is None else self.cgroup.enter,
@@ -69,6 +85,7 @@ class ServerProcess:
 
 def start_all(servers: list[ServerProcess], timeout: float = 30.0) -> list[ServerProcess]:
     """Start daemons in parallel (each still waits for its own ready line)."""
+    check_marked_daemon()
     for server in servers:
         server.proc = subprocess.Popen(server.args, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True, env=server.env)

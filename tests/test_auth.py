@@ -413,6 +413,7 @@ def test_info_and_health_take_the_token_from_the_environment(auth_server, shm_bu
 FIX_HINTS = ("MILLPOND_TOKEN", "--token-file", "--tls-client-ca", "--insecure")
 
 
+@pytest.mark.daemon
 def test_serving_beyond_loopback_without_auth_is_refused(tmp_path):
     result = serve_cli("--host", "0.0.0.0", "--data-dir", str(tmp_path / "data"))
     assert result.returncode == 2
@@ -420,6 +421,7 @@ def test_serving_beyond_loopback_without_auth_is_refused(tmp_path):
     assert not (tmp_path / "data").exists()  # refused before touching anything
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("how", ["insecure", "token", "token-file"])
 def test_serving_beyond_loopback_with_auth_or_insecure(tmp_path, how):
     args, env = ["--host", "0.0.0.0"], {}
@@ -440,6 +442,7 @@ def test_serving_beyond_loopback_with_auth_or_insecure(tmp_path, how):
             assert client.list_buffers() == []
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
 def test_a_token_file_others_can_read_or_write_is_refused(tmp_path, mode):
     path = write_token_file(tmp_path / "tokens", f"admin {TOKENS['admin']}\n", mode)
@@ -460,6 +463,7 @@ MALFORMED = {
 }
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("case", list(MALFORMED))
 def test_a_malformed_token_file_is_refused(tmp_path, case):
     text, message = MALFORMED[case]
@@ -470,6 +474,7 @@ def test_a_malformed_token_file_is_refused(tmp_path, case):
     assert TOKENS["admin"] not in result.stderr and TOKENS["actor"] not in result.stderr
 
 
+@pytest.mark.daemon
 def test_a_short_millpond_token_or_a_missing_file_is_refused(tmp_path):
     result = serve_cli("--data-dir", str(tmp_path / "d1"), env={"MILLPOND_TOKEN": "short"})
     assert result.returncode == 2 and "MILLPOND_TOKEN" in result.stderr

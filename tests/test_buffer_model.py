@@ -102,7 +102,7 @@ class BufferMachine(RuleBasedStateMachine):
             self.buf = millpond.MmapReplayBuffer(
                 hot, self.total, cold_path=self.cold_path, fields=FIELDS, persistent=persistent
             )
-            self.engine = self.buf._backend
+            self.engine = self.buf.backend
         else:
             self.buf = engine(SCHEMA, hot, self.total, self.cold_path, persistent=persistent)
             self.engine = self.buf
@@ -117,7 +117,7 @@ class BufferMachine(RuleBasedStateMachine):
         self.buf.release()
         if self.public:
             self.buf = millpond.MmapReplayBuffer.open(self.cold_path)
-            self.engine = self.buf._backend
+            self.engine = self.buf.backend
         else:
             self.buf = TieredBuffer.open(self.cold_path)
             self.engine = self.buf

@@ -65,6 +65,7 @@ def toml_file(tmp_path):
 
 # ---- config --------------------------------------------------------------------------
 
+@pytest.mark.daemon
 def test_toml_buffers_exist_at_start(tmp_path, toml_file):
     with ServerProcess(tmp_path / "data", "--config", str(toml_file)) as srv:
         buffers = list_buffers(srv.address)
@@ -81,6 +82,7 @@ def test_toml_buffers_exist_at_start(tmp_path, toml_file):
         assert at.record_nbytes == 84 * 84 * 4 + 8 + 4
 
 
+@pytest.mark.daemon
 def test_toml_buffers_take_sampling_options(tmp_path):
     path = tmp_path / "sampling.toml"
     path.write_text("""
@@ -112,6 +114,7 @@ rate_limiter = { samples_per_insert = 8.0, min_size_to_sample = 20, error_buffer
         assert isinstance(learner, millpond.PrioritizedBuffer)
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("text,needle", [
     ("[[buffers]\nname = 'x'", "invalid TOML"),
     ("[[buffers]]\ncapacity = 10\nobs_dim = 1\nact_dim = 1", "missing 'name'"),
@@ -143,6 +146,7 @@ def test_bad_config_exits_2_with_a_clear_message(tmp_path, text, needle):
     assert "Traceback" not in result.stderr and result.stdout == ""
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("args,env,needle", [
     (["--config", "/nonexistent.toml"], {}, "not found"),
     (["--port", "70000"], {}, "--port"),
@@ -156,6 +160,7 @@ def test_bad_flags_and_env_exit_2(tmp_path, args, env, needle):
     assert needle in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.daemon
 def test_port_in_use_exits_1(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -166,6 +171,7 @@ def test_port_in_use_exits_1(tmp_path):
     assert f"cannot bind 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.daemon
 def test_env_vars_are_honoured_and_flags_win(tmp_path, toml_file):
     env = {
         "MILLPOND_CONFIG": str(toml_file),        # env only: used
@@ -200,6 +206,7 @@ def test_env_vars_are_honoured_and_flags_win(tmp_path, toml_file):
             srv.proc.kill()
 
 
+@pytest.mark.daemon
 def test_quiet_by_default_and_logs_are_key_value(tmp_path):
     srv = ServerProcess(tmp_path / "data").start()
     assert srv.stop() == 0
@@ -211,6 +218,7 @@ def test_quiet_by_default_and_logs_are_key_value(tmp_path):
     assert any("msg=stopping" in line and "signal=SIGINT" in line for line in lines)
 
 
+@pytest.mark.daemon
 def test_server_tunes_malloc_for_large_messages(tmp_path):
     for extra, expect in (({}, "malloc_tuned=True"), ({"MILLPOND_TUNE_MALLOC": "0"}, "malloc_tuned=False")):
         srv = ServerProcess(tmp_path / "data", "--log-level", "info", env=extra).start()
@@ -221,6 +229,7 @@ def test_server_tunes_malloc_for_large_messages(tmp_path):
 
 # ---- info / health -------------------------------------------------------------------
 
+@pytest.mark.daemon
 def test_info_prints_an_aligned_table(tmp_path, toml_file):
     with ServerProcess(tmp_path / "data", "--config", str(toml_file)) as srv:
         result = run_cli("info", "--address", srv.address)
@@ -339,6 +348,7 @@ def _image_env(tmp_path: Path) -> dict[str, str]:
             "MILLPOND_ADDRESS_FILE": str(tmp_path / "millpond.address")}  # /tmp/...
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("port_as", ["env", "argument"])
 def test_docker_entrypoint_serves_answers_health_and_exits_0_on_sigterm(tmp_path, port_as):
     """``MILLPOND_PORT=N`` or ``--port N``: the HEALTHCHECK finds the server either way."""
@@ -376,6 +386,7 @@ def test_docker_entrypoint_serves_answers_health_and_exits_0_on_sigterm(tmp_path
             proc.wait()
 
 
+@pytest.mark.daemon
 def test_docker_entrypoint_without_a_token_refuses_to_serve(tmp_path):
     entrypoint, _, _ = dockerfile_image_config()
     env = {**_image_env(tmp_path), "MILLPOND_PORT": "0"}

@@ -66,6 +66,7 @@ def test_oversized_push_is_refused_before_sending(shared_server):
     buf.close()
 
 
+@pytest.mark.daemon
 def test_oversized_sample_reply_names_the_server_limit(tmp_path):
     with ServerProcess(tmp_path / "data", "--max-message-mb", "1") as server:
         buf = millpond.connect(server.address, shm=False).create_buffer(
@@ -101,6 +102,7 @@ def test_timeout_must_be_positive():
         millpond.connect("localhost:1", timeout=0)
 
 
+@pytest.mark.daemon
 def test_a_call_in_flight_when_the_server_dies_fails_in_seconds(tmp_path):
     server = ServerProcess(tmp_path / "data").start()
     client = millpond.connect(server.address, timeout=30, shm=False)
@@ -125,6 +127,7 @@ def test_a_call_in_flight_when_the_server_dies_fails_in_seconds(tmp_path):
     assert isinstance(error, millpond.ServerUnavailableError) and isinstance(error, ConnectionError)
 
 
+@pytest.mark.daemon
 def test_a_call_to_a_server_that_stays_down_fails_by_its_deadline(tmp_path):
     """Calls wait for a server that is not there (it may be restarting), up to their
     deadline; one that went out on the connection as it died fails at once."""

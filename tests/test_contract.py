@@ -17,7 +17,8 @@ import millpond
 _names = itertools.count()
 
 
-@pytest.fixture(params=["local", "grpc", "shm"])
+@pytest.fixture(params=["local", pytest.param("grpc", marks=pytest.mark.daemon),
+                        pytest.param("shm", marks=pytest.mark.daemon)])
 def make(request, tmp_path):
     """make(hot, total, obs_dim=, act_dim= | fields=) -> a buffer on the backend under test.
 

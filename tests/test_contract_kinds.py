@@ -54,17 +54,16 @@ def local_buffer(tmp_path, spec: dict):
 
 
 @pytest.fixture
-def three(request, tmp_path):
+def three(shared_server, tmp_path):
     """three(kind) -> {transport: buffer}, all of that kind, empty."""
     made = []
 
     def factory(kind: str, **client_options) -> dict:
         spec = KINDS[kind]
-        server = request.getfixturevalue("shared_server")
         name = f"kinds-{kind}-{next(_names)}"
         bufs = {"local": local_buffer(tmp_path, spec)}
         for transport in ("grpc", "shm"):
-            client = millpond.connect(server.address, shm=transport == "shm", **client_options)
+            client = millpond.connect(shared_server.address, shm=transport == "shm", **client_options)
             assert client.transport == transport
             bufs[transport] = client.create_buffer(f"{name}-{transport}", fields=FIELDS, **spec)
         made.extend(bufs.values())

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import h5py
 import numpy as np
 import pytest
 
@@ -15,8 +14,12 @@ import millpond
 from millpond import datasets
 from support import ServerProcess
 
+pytestmark = pytest.mark.daemon
+
 
 def write_files(folder):
+    import h5py
+
     rng = np.random.default_rng(0)
     n = 300
     terminals = np.zeros(n, bool)
@@ -109,7 +112,7 @@ def test_writes_are_refused_and_change_nothing(served, client):
     calls = [
         lambda: buf.push_batch(**one),
         lambda: (buf.push(**{k: v[0] for k, v in one.items()}), buf.flush()),
-        lambda: buf._backend.update_episodes([(0, None, True)]),
+        lambda: buf.backend.update_episodes([(0, None, True)]),
         lambda: buf.reset(),
         lambda: buf.delete(),
         lambda: client.delete_buffer("walker"),

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import h5py
 import numpy as np
 import pytest
 
@@ -36,6 +35,8 @@ def renamed(arrays, names):
 
 
 def write_hdf5(path, arrays):
+    import h5py
+
     with h5py.File(path, "w") as f:
         for key, value in arrays.items():
             f.create_dataset(key, data=value)

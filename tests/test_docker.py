@@ -32,8 +32,8 @@ HEALTH = ["--health-interval", "1s"]  # the image's HEALTHCHECK command, checked
 DOCKER_STOP_DEFAULT_S = 10.0
 
 # The build (in the first test's set-up) and a stop/start/kill cycle take longer than
-# the suite's default per-test timeout.
-pytestmark = pytest.mark.timeout(600)
+# the suite's default per-test timeout. Every test here talks to daemons in containers.
+pytestmark = [pytest.mark.docker, pytest.mark.daemon, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def docker(*args: str, timeout: float = 60, check: bool = True,

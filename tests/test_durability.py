@@ -53,6 +53,7 @@ def snapshot(buf) -> tuple:
             {k: v.tobytes() for k, v in sample.items()})
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_buffers_survive_a_restart(tmp_path, sig):
     data = tmp_path / "data"
@@ -74,6 +75,7 @@ def test_buffers_survive_a_restart(tmp_path, sig):
         assert again.info()["pushed"] == 23 and len(again) == 20
 
 
+@pytest.mark.daemon
 def test_a_second_daemon_on_the_same_directory_refuses(tmp_path):
     with ServerProcess(tmp_path / "data"):
         second = ServerProcess(tmp_path / "data")
@@ -82,6 +84,7 @@ def test_a_second_daemon_on_the_same_directory_refuses(tmp_path):
         assert second.proc.returncode == 1
 
 
+@pytest.mark.daemon
 def test_recovery_is_logged_with_progress(tmp_path):
     data = tmp_path / "data"
     with ServerProcess(data) as server:
@@ -96,6 +99,7 @@ def test_recovery_is_logged_with_progress(tmp_path):
     assert 'msg="buffer recovered" buffer=b records=5' in log
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("sync", ["none", "interval", "always"])
 def test_every_sync_policy_serves_and_persists(tmp_path, sync):
     data = tmp_path / "data"
@@ -106,6 +110,8 @@ def test_every_sync_policy_serves_and_persists(tmp_path, sync):
         assert len(millpond.connect(server.address).buffer("b")) == 30
 
 
+@pytest.mark.slow
+@pytest.mark.daemon
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "grpc"])
 def test_sigkill_crash_trials_lose_no_acknowledged_record(tmp_path, shm):
     """The daemon is SIGKILLed at random moments while actors push.
@@ -206,6 +212,7 @@ def test_damaged_files_are_refused_clearly(tmp_path):
     assert not not_persistent.exists()
 
 
+@pytest.mark.daemon
 def test_a_full_disk_refuses_new_buffers_and_never_kills_the_daemon(small_fs):
     with ServerProcess(small_fs / "data") as server:
         client = millpond.connect(server.address)
@@ -261,6 +268,7 @@ def test_a_flipped_byte_is_found_and_can_be_skipped(tmp_path, hot):
     survivor.release()
 
 
+@pytest.mark.daemon
 def test_the_daemon_names_damage_and_skip_corrupt_serves_the_rest(tmp_path):
     data = tmp_path / "data"
     with ServerProcess(data) as server:
@@ -291,6 +299,7 @@ def test_reopening_reports_progress_as_it_checks(tmp_path):
     again.release()
 
 
+@pytest.mark.daemon
 def test_health_is_not_serving_until_recovery_is_done_and_clients_wait_for_it(tmp_path):
     """Health says NOT_SERVING while a large buffer is recovered. A client started
     before the daemon, and one that calls during recovery, both complete their

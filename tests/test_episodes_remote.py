@@ -21,6 +21,8 @@ import pytest
 import millpond
 from support import ServerProcess, run_everywhere
 
+pytestmark = pytest.mark.daemon
+
 META = {"task": ("int64", ())}
 KINDS = {
     "ram": dict(capacity=40),
@@ -142,11 +144,11 @@ def test_sequences_travel_over_shared_memory_and_episodes_over_grpc(three):
     buf = three("ram")["shm"]
     for t in range(12):
         buf.push(**step(t, t == 5))
-    calls = buf._backend._client.connection.calls
     buf.sample_sequences(4, 3)
     buf.sample(4, n_step=2)
     buf.read([0, 1])
     buf.sample_episodes(2)
+    calls = buf.client.calls  # this process's calls, by (transport, op)
     assert calls["shm", "sample_sequences"] == calls["shm", "sample_n_step"] == 1
     assert calls["shm", "read"] == 1 and calls["grpc", "sample_episodes"] == 1
 
@@ -173,6 +175,7 @@ def episode_steps(actor: int, number: int, length: int) -> dict:
             "truncated": np.zeros(length, bool)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_acknowledged_episodes_survive_a_crash_of_the_daemon(tmp_path, sig):
     data = tmp_path / "data"

@@ -13,12 +13,18 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("gymnasium")
-
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-pytestmark = pytest.mark.usefixtures("private_tmpdir")  # SB3 logs go there
+# Each example trains, and starts its own daemon.
+pytestmark = [pytest.mark.daemon, pytest.mark.slow,
+              pytest.mark.usefixtures("private_tmpdir")]  # SB3 logs go there
+
+
+@pytest.fixture(scope="module", autouse=True)
+def frameworks():
+    """The examples need torch and gymnasium (checked when they run, not at collection)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gymnasium")
 
 
 def run(name: str, *args: str, timeout: float = 100) -> dict[str, float]:

@@ -24,6 +24,8 @@ from millpond.v1 import replay_pb2_grpc as pb_grpc
 from millpond.wire.frames import PUSH_BATCH_FIELD, encode_with_batch
 from support import ServerProcess, wait_until
 
+pytestmark = pytest.mark.daemon
+
 EXAMPLES = int(os.environ.get("MILLPOND_FUZZ_EXAMPLES", "100"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -22,6 +22,7 @@ import millpond
 from support import ServerProcess, wait_until
 from test_contract import transitions
 
+pytestmark = pytest.mark.daemon
 
 
 def stream_readers(server: ServerProcess) -> int:

@@ -65,6 +65,7 @@ def restarts_cleanly(data_dir) -> None:
 
 # ---- 1. Close racing Create ----------------------------------------------------------
 
+@pytest.mark.daemon
 def test_close_racing_create_with_samples_in_flight_never_kills_the_daemon(tmp_path):
     server = ServerProcess(tmp_path / "data").start()
     try:
@@ -107,6 +108,7 @@ def test_close_racing_create_with_samples_in_flight_never_kills_the_daemon(tmp_p
 
 # ---- 2. A failed Create leaves nothing --------------------------------------------------
 
+@pytest.mark.daemon
 def test_failed_creates_leave_no_file_no_fd_and_the_next_start_works(tmp_path):
     data = tmp_path / "data"
     with ServerProcess(data) as server, grpc.insecure_channel(server.address) as channel:
@@ -133,6 +135,7 @@ def test_failed_creates_leave_no_file_no_fd_and_the_next_start_works(tmp_path):
 
 # ---- 3. Memory: waiting calls are bounded, and give their memory back -----------------
 
+@pytest.mark.daemon
 def test_waiting_calls_are_bounded_in_number_and_bytes(tmp_path):
     args = ("--max-waiting-calls", "2", "--max-waiting-mb", "8")
     with ServerProcess(tmp_path / "data", *args) as server:
@@ -166,6 +169,7 @@ def test_waiting_calls_are_bounded_in_number_and_bytes(tmp_path):
         assert outcomes == ["stored", "stored"]
 
 
+@pytest.mark.daemon
 def test_memory_held_by_cancelled_waiting_pushes_is_given_back(tmp_path):
     with ServerProcess(tmp_path / "data") as server:
         client = millpond.connect(server.address, shm=False, timeout=30)
@@ -188,6 +192,7 @@ def _push_expecting_timeout(queue) -> None:
         queue.push_batch(x=np.zeros((1, 16 << 20), np.uint8), timeout=1.0)
 
 
+@pytest.mark.daemon
 def test_concurrent_calls_are_capped_with_a_typed_error(tmp_path):
     args = ("--max-concurrent-calls", "3", "--max-waiting-calls", "2")
     with ServerProcess(tmp_path / "data", *args) as server:
@@ -208,6 +213,7 @@ def test_concurrent_calls_are_capped_with_a_typed_error(tmp_path):
         assert got == [1, 1]
 
 
+@pytest.mark.daemon
 def test_waiting_calls_may_not_take_every_call_slot(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "millpond_server", "serve", "--port", "0", "--data-dir",
@@ -256,6 +262,7 @@ def test_a_deeply_nested_hello_with_fds_is_refused_and_leaks_nothing(shared_serv
     sock.close()
 
 
+@pytest.mark.daemon
 def test_running_out_of_fds_pauses_the_fast_path_and_it_recovers(tmp_path):
     limit = 128
     proc = subprocess.Popen(
@@ -285,6 +292,7 @@ def test_running_out_of_fds_pauses_the_fast_path_and_it_recovers(tmp_path):
         proc.wait(30)
 
 
+@pytest.mark.daemon
 def test_the_shared_memory_cap_holds_for_a_client_across_its_sessions(tmp_path):
     with ServerProcess(tmp_path / "data", "--shm-max-mb", "3") as server:
         sessions = [_raw_socket(server.address) for _ in range(4)]
@@ -310,6 +318,7 @@ def _reserve_ok(sock: socket.socket) -> bool:
     return bool(reply.get("ok"))
 
 
+@pytest.mark.daemon
 def test_too_many_sessions_from_one_client_are_refused_with_the_reason(tmp_path):
     with ServerProcess(tmp_path / "data", "--shm-max-sessions", "2") as server:
         kept = [_raw_socket(server.address) for _ in range(2)]
@@ -323,6 +332,7 @@ def test_too_many_sessions_from_one_client_are_refused_with_the_reason(tmp_path)
 
 # ---- 5. Symlinks and the data directory -------------------------------------------------
 
+@pytest.mark.daemon
 def test_a_planted_symlink_is_never_followed(tmp_path):
     data = tmp_path / "data"
     target = tmp_path / "precious.txt"
@@ -337,6 +347,7 @@ def test_a_planted_symlink_is_never_followed(tmp_path):
     assert target.read_text() == "keep me"
 
 
+@pytest.mark.daemon
 def test_a_data_directory_others_may_write_is_refused(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -373,6 +384,7 @@ def test_hostile_configs_are_invalid_configs(stub):
         grpc.StatusCode.INVALID_ARGUMENT, "INVALID_CONFIG")
 
 
+@pytest.mark.daemon
 def test_hostile_requests_never_make_the_daemon_log_a_traceback(tmp_path):
     """A client can never make the daemon log an internal error (or flood its log)."""
     server = ServerProcess(tmp_path / "data").start()
@@ -391,6 +403,7 @@ def test_hostile_requests_never_make_the_daemon_log_a_traceback(tmp_path):
     assert "Traceback" not in err and "unexpected error" not in err, err
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("text,needle", [
     ("[[buffers]]\nname='x'\ncapacity=10\nobs_dim=1\nact_dim=1\nrate_limiter={"
      "samples_per_insert=1.0, error_buffer=[1]}", "error_buffer must be"),
@@ -408,6 +421,7 @@ def test_hostile_toml_is_a_clear_message_not_a_traceback(tmp_path, text, needle)
     assert needle in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.daemon
 def test_a_failed_start_says_why_and_nothing_else(tmp_path):
     path = tmp_path / "big.toml"
     path.write_text("[[buffers]]\nname='x'\ncapacity=100000000000\nobs_dim=64\nact_dim=1\n")
@@ -446,6 +460,7 @@ def test_a_reply_with_a_hostile_error_code_is_a_plain_replay_error():
     assert type(info.value) is millpond.ReplayError
 
 
+@pytest.mark.daemon
 def test_the_number_of_buffers_and_their_disk_are_capped(tmp_path):
     with ServerProcess(tmp_path / "data", "--max-buffers", "2", "--max-data-gb", "0.01") as server:
         client = millpond.connect(server.address)

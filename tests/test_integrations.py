@@ -13,20 +13,28 @@ import itertools
 import numpy as np
 import pytest
 
-sb3 = pytest.importorskip("stable_baselines3")
-gym = pytest.importorskip("gymnasium")
-th = pytest.importorskip("torch")
-
-from gymnasium import spaces  # noqa: E402
-from stable_baselines3.common import buffers as sb3_buffers  # noqa: E402
-from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: E402
-
-from millpond.integrations import sb3 as mp_sb3  # noqa: E402
-from support import ServerProcess  # noqa: E402
+from support import ServerProcess
 
 pytestmark = pytest.mark.usefixtures("private_tmpdir")  # SB3 logs go there
 
 _names = itertools.count()
+
+# Imported by the fixture below when the first test here runs, not when the suite is collected
+# (Stable-Baselines3 imports torch).
+sb3 = gym = th = spaces = sb3_buffers = DummyVecEnv = VecNormalize = mp_sb3 = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def frameworks():
+    global sb3, gym, th, spaces, sb3_buffers, DummyVecEnv, VecNormalize, mp_sb3
+    sb3 = pytest.importorskip("stable_baselines3")
+    gym = pytest.importorskip("gymnasium")
+    th = pytest.importorskip("torch")
+    from gymnasium import spaces
+    from stable_baselines3.common import buffers as sb3_buffers
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+
+    from millpond.integrations import sb3 as mp_sb3
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +44,8 @@ def grpc_server(tmp_path_factory):
         yield proc
 
 
-@pytest.fixture(params=["local", "server", "server-grpc"])
+@pytest.fixture(params=["local", pytest.param("server", marks=pytest.mark.daemon),
+                        pytest.param("server-grpc", marks=pytest.mark.daemon)])
 def where(request):
     """Keyword arguments that put the adapter in-process, on the shared server (same
     host: shared memory), or on a server it reaches over gRPC only (adds in flight)."""
@@ -76,17 +85,24 @@ def sb3_rows(ref: sb3_buffers.ReplayBuffer) -> dict[int, tuple]:
     return rows
 
 
-SPACES = [
-    (spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3)),
-    (spaces.Box(0, 255, (3, 5, 5), np.uint8), spaces.Box(-1, 1, (2,), np.float64)),
-    (spaces.Box(-1, 1, (2,), np.float64), spaces.MultiDiscrete([3, 4])),
-]
+SPACES = ["box-discrete", "image-box", "box-multidiscrete"]
+
+
+def spaces_of(kind: str) -> tuple:
+    """The observation and action spaces of a kind in SPACES."""
+    if kind == "box-discrete":
+        return spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3)
+    if kind == "image-box":
+        return spaces.Box(0, 255, (3, 5, 5), np.uint8), spaces.Box(-1, 1, (2,), np.float64)
+    assert kind == "box-multidiscrete", kind
+    return spaces.Box(-1, 1, (2,), np.float64), spaces.MultiDiscrete([3, 4])
 
 
 @pytest.mark.parametrize("n_envs", [1, 3])
 @pytest.mark.parametrize("timeouts", [True, False])
-@pytest.mark.parametrize("obs_space,act_space", SPACES)
-def test_samples_match_sb3s_buffer(where, n_envs, timeouts, obs_space, act_space):
+@pytest.mark.parametrize("kind", SPACES)
+def test_samples_match_sb3s_buffer(where, n_envs, timeouts, kind):
+    obs_space, act_space = spaces_of(kind)
     rng = np.random.default_rng(0)
     kwargs = {"n_envs": n_envs, "handle_timeout_termination": timeouts, "device": "cpu"}
     ref = sb3_buffers.ReplayBuffer(60, obs_space, act_space, **kwargs)
@@ -114,7 +130,7 @@ def test_samples_match_sb3s_buffer(where, n_envs, timeouts, obs_space, act_space
 
 
 def test_draws_follow_numpys_global_seed():
-    space, act = SPACES[0]
+    space, act = spaces_of("box-discrete")
     buf = mp_sb3.ReplayBuffer(100, space, act, device="cpu")
     feed([buf], 50, 1, space, act, np.random.default_rng(1))
     np.random.seed(3)
@@ -175,7 +191,7 @@ def test_dict_observations_match_sb3s_dict_buffer(where):
 
 
 def test_what_is_refused_is_refused_clearly():
-    space, act = SPACES[0]
+    space, act = spaces_of("box-discrete")
     with pytest.raises(ValueError, match="optimize_memory_usage"):
         mp_sb3.ReplayBuffer(100, space, act, optimize_memory_usage=True,
                             handle_timeout_termination=False)
@@ -186,7 +202,7 @@ def test_what_is_refused_is_refused_clearly():
 
 
 def test_reset_and_export_of_the_run(where, tmp_path):
-    space, act = SPACES[0]
+    space, act = spaces_of("box-discrete")
     buf = mp_sb3.ReplayBuffer(100, space, act, device="cpu", **where)
     feed([buf], 30, 1, space, act, np.random.default_rng(3))
     if hasattr(buf.millpond_buffer, "export"):

@@ -13,22 +13,31 @@ import itertools
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("tensordict")
-
-from tensordict import TensorDict  # noqa: E402
-
-import millpond  # noqa: E402
-from millpond.integrations.objectrl import ReplayBuffer  # noqa: E402
+import millpond
 
 _names = itertools.count()
-CPU = torch.device("cpu")
+
+# Imported by the fixture below when the first test here runs, not when the suite is collected.
+torch = TensorDict = ReplayBuffer = CPU = None
 
 
-@pytest.fixture(params=["local", "server"])
-def where(request, shared_server):
+@pytest.fixture(scope="module", autouse=True)
+def frameworks():
+    global torch, TensorDict, ReplayBuffer, CPU
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("tensordict")
+    from tensordict import TensorDict
+
+    from millpond.integrations.objectrl import ReplayBuffer
+
+    CPU = torch.device("cpu")
+
+
+@pytest.fixture(params=["local", pytest.param("server", marks=pytest.mark.daemon)])
+def where(request):
     if request.param == "local":
         return {}
+    shared_server = request.getfixturevalue("shared_server")
     return {"address": shared_server.address, "name": f"objectrl-{next(_names)}"}
 
 

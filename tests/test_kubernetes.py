@@ -21,6 +21,8 @@ from millpond_server.cli import build_parser
 from millpond_server.config import SERVE_OPTIONS, TOKEN_ENV, resolve_serve_config
 from test_cli import DOCKERFILE, dockerfile_image_config
 
+pytestmark = pytest.mark.docker
+
 ROOT = Path(__file__).resolve().parents[1]
 KUBE = ROOT / "docker" / "kubernetes"
 TOKEN = "kubernetes-test-token-0123456789"
@@ -129,6 +131,7 @@ def _any_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.daemon
 def test_the_container_command_line_serves_and_answers_its_probes(tmp_path):
     """The image's entrypoint with the container's arguments and environment, as written
     (a port another process holds on this shared host is swapped for a free one)."""

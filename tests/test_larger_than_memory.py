@@ -17,6 +17,8 @@ import millpond
 from millpond.core import TieredBuffer
 from support import MemoryCgroup, ServerProcess
 
+pytestmark = pytest.mark.daemon
+
 LIMIT = 192 << 20
 FRAME = (84, 84, 4)  # an Atari observation: 28,224 bytes
 FIELDS = {"obs": ("uint8", FRAME), "id": ("int64", ())}
@@ -45,6 +47,7 @@ def check(batch: dict) -> None:
     np.testing.assert_array_equal(batch["obs"], frames(ids))
 
 
+@pytest.mark.slow
 def test_a_buffer_three_times_the_memory_limit_fills_samples_and_recovers(tmp_path, cgroup):
     data = tmp_path / "data"
     acknowledged = 0

@@ -16,7 +16,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"millpond": ROOT / "client" / "millpond",
             "millpond_server": ROOT / "server" / "millpond_server"}
-GENERATED = "millpond.v1"
 
 
 def modules() -> dict[str, Path]:

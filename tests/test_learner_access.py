@@ -25,8 +25,6 @@ from test_contract_kinds import FIELDS, TRANSPORTS, records
 
 three = kinds.three  # the fixture: three(kind) -> {transport: buffer}
 
-torch = pytest.importorskip("torch")
-
 OBS_DIM, ACT_DIM = 3, 2
 _names = itertools.count()
 
@@ -190,6 +188,7 @@ def test_epoch_iterator_covers_every_record_once_per_epoch(three, transport):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_device_cpu_gives_tensors_equal_to_the_numpy_results(three, transport):
+    torch = pytest.importorskip("torch")
     buf = three("prioritized")[transport]
     buf.push_batch(**records(0, 12))
 
@@ -316,6 +315,7 @@ sys.stdin.read()
         reopened.close()
 
 
+@pytest.mark.daemon
 def test_reset_on_a_server_survives_a_restart(tmp_path):
     data = tmp_path / "data"
     with ServerProcess(data) as server:

@@ -15,6 +15,8 @@ import pytest
 import millpond
 from support import ServerProcess
 
+pytestmark = pytest.mark.daemon
+
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "docker" / "grafana-dashboard.json"
 FIELDS = {"x": ("int64", ())}

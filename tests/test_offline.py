@@ -215,11 +215,11 @@ def test_writes_are_refused_and_change_nothing():
         lambda: buf.update_priorities([0], [1.0]),
         lambda: buf.reset(),
         # the engine refuses too, whoever calls it
-        lambda: buf._backend.push_batch({**arrays, "returns_to_go": arrays["rewards"]},
-                                        episodes=0),
-        lambda: buf._backend.push({k: v[0] for k, v in before.items()}, episode=0),
-        lambda: buf._backend.update_episodes([(0, None, True)]),
-        lambda: buf._backend.reset(),
+        lambda: buf.backend.push_batch({**arrays, "returns_to_go": arrays["rewards"]},
+                                       episodes=0),
+        lambda: buf.backend.push({k: v[0] for k, v in before.items()}, episode=0),
+        lambda: buf.backend.update_episodes([(0, None, True)]),
+        lambda: buf.backend.reset(),
     ]
     for call in calls:
         with pytest.raises(millpond.ReadOnlyBufferError):

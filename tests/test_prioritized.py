@@ -328,11 +328,12 @@ def test_priorities_on_a_uniform_remote_buffer_are_refused(shared_server):
     uniform.push_batch(np.zeros((3, 2)), np.zeros((3, 2)), np.zeros((3, 1)), np.zeros(3),
                        np.zeros(3), np.zeros(3))
     with pytest.raises(millpond.InvalidArgumentError, match="prioritized"):
-        uniform._backend.update_priorities([0], [1.0])
+        uniform.backend.update_priorities([0], [1.0])
     with pytest.raises(millpond.ConfigMismatchError):
         client.create_buffer("prio-uniform", capacity=10, obs_dim=2, act_dim=1, prioritized=True)
 
 
+@pytest.mark.daemon
 def test_a_prioritized_buffer_stays_prioritized_across_restarts(tmp_path):
     with ServerProcess(tmp_path / "data") as server:
         buf = millpond.PrioritizedReplayBuffer(20, 2, 1, alpha=0.5, beta=0.3,
@@ -433,7 +434,7 @@ def test_prioritized_errors_over_shm_are_the_grpc_ones(shared_server, tmp_path):
     _, shm, grpc, _ = three_ways(tmp_path, shared_server.address, "prio-errors")
     uniforms = [millpond.connect(shared_server.address, shm=use_shm).create_buffer(
         "prio-errors-uniform", capacity=10, obs_dim=2, act_dim=1) for use_shm in (True, False)]
-    assert uniforms[0]._backend._client.transport == "shm"  # noqa: SLF001
+    assert uniforms[0].transport == "shm"
     for buf in (shm, grpc):
         push_ids(buf, 0, 3)
         with pytest.raises(millpond.InvalidConfigError, match="beta"):
@@ -443,7 +444,7 @@ def test_prioritized_errors_over_shm_are_the_grpc_ones(shared_server, tmp_path):
         with pytest.raises(millpond.NotEnoughDataError):
             buf.sample(4)
     for uniform in uniforms:
-        backend = uniform._backend
+        backend = uniform.backend
         with pytest.raises(millpond.InvalidArgumentError, match="prioritized"):
             backend.push_batch(zero_columns(uniform.schema, 2), priorities=[1.0, 2.0])
         with pytest.raises(millpond.InvalidArgumentError, match="prioritized"):

@@ -237,7 +237,7 @@ def test_max_times_sampled_removes_records_after_n_draws():
     counts = np.bincount(np.concatenate(drawn), minlength=20)
     assert counts.max() == 3  # never past the limit, within a batch either
     assert len(buf) == (counts < 3).sum() < 4  # the used-up ones are gone
-    np.testing.assert_array_equal(buf._backend.contents()["id"], np.flatnonzero(counts < 3))
+    np.testing.assert_array_equal(buf.backend.contents()["id"], np.flatnonzero(counts < 3))
     with pytest.raises(millpond.NotEnoughDataError):
         buf.sample(4)
 

@@ -24,6 +24,8 @@ from millpond.v1 import replay_pb2_grpc as pb_grpc
 from millpond.wire.status import ERROR_CODE_KEY
 from support import ServerProcess, wait_until
 
+pytestmark = pytest.mark.daemon
+
 FIELDS = {"id": ("int64", ())}
 TRANSPORTS = ["grpc", "shm"]
 

@@ -20,6 +20,8 @@ from millpond.wire.codec import config_to_proto, decode_batch, encode_batch
 from millpond.wire.status import ERROR_CODE_KEY
 from support import ServerProcess
 
+pytestmark = pytest.mark.daemon
+
 TIMEOUT = 10.0
 SCHEMA = Schema.transition(obs_dim=3, act_dim=2)
 ATARI = Schema.from_spec({"obs": ("uint8", (84, 84, 4)), "action": ("int64", ())})

@@ -31,8 +31,8 @@ def name() -> str:
 def writers(client, buffer_name: str, n: int = 3) -> list:
     """``n`` handles of one client: they take the shards in turn."""
     handles = [client.buffer(buffer_name) for _ in range(n)]
-    assert sorted(h._backend.shard for h in handles) == list(range(n))
-    return sorted(handles, key=lambda h: h._backend.shard)
+    assert sorted(h.backend.shard for h in handles) == list(range(n))
+    return sorted(handles, key=lambda h: h.backend.shard)
 
 
 def chi_square_z(counts: np.ndarray, expected: np.ndarray) -> float:
@@ -86,7 +86,7 @@ def test_create_splits_and_info_aggregates_with_a_breakdown(shards):
     assert isinstance(client, ShardedClient) and client.shards == 3
     buf = client.create_buffer(name(), hot_capacity=10, total_capacity=100, fields=FIELDS)
     assert (buf.hot_capacity, buf.total_capacity) == (10, 100)
-    for i, handle in enumerate(writers(client, buf._backend.name)):
+    for i, handle in enumerate(writers(client, buf.backend.name)):
         handle.push_batch(id=np.arange(10 * (i + 1)) + 1000 * i)
     info = buf.info()
     assert len(buf) == info.size == info["size"] == 60 and not info.degraded
@@ -95,31 +95,31 @@ def test_create_splits_and_info_aggregates_with_a_breakdown(shards):
     assert set(dict(info)) == set(dict(millpond.ReplayBuffer(5, fields=FIELDS).info()))
     # another client (another first shard) attaches to the same buffer
     again = millpond.connect(list(shards), timeout=10).create_buffer(
-        buf._backend.name, hot_capacity=10, total_capacity=100, fields=FIELDS)
-    assert len(again) == 60 and not again._backend.owner
+        buf.backend.name, hot_capacity=10, total_capacity=100, fields=FIELDS)
+    assert len(again) == 60 and not again.backend.owner
     with pytest.raises(millpond.ConfigMismatchError):
-        client.create_buffer(buf._backend.name, capacity=99, fields=FIELDS)
+        client.create_buffer(buf.backend.name, capacity=99, fields=FIELDS)
     listed = {i.name: i for i in client.list_buffers()}
-    assert listed[buf._backend.name].size == 60
+    assert listed[buf.backend.name].size == 60
     buf.close()  # its creator deletes it on every shard
-    assert buf._backend.name not in {i.name for i in client.list_buffers()}
+    assert buf.backend.name not in {i.name for i in client.list_buffers()}
 
 
 def test_handles_stick_to_their_shard_and_batches_stay_whole(shards):
     client = millpond.connect(shards, timeout=10, push_batch_size=4)
     buf = client.create_buffer(name(), capacity=300, fields=FIELDS)
-    handles = writers(client, buf._backend.name)
+    handles = writers(client, buf.backend.name)
     for step in range(3):
         for handle in handles:
-            handle.push_batch(id=np.arange(5) + 100 * handle._backend.shard + 10 * step)
+            handle.push_batch(id=np.arange(5) + 100 * handle.backend.shard + 10 * step)
             for j in range(3):  # single pushes are batched on the handle, sent to its shard
-                handle.push(id=50 + 100 * handle._backend.shard + 3 * step + j)
+                handle.push(id=50 + 100 * handle.backend.shard + 3 * step + j)
     for handle in handles:
         handle.flush()
     shards_info = buf.info().shards
     assert [s.info.size for s in shards_info] == [24, 24, 24]
     for shard in range(3):  # every record of shard s came through its handle
-        single = millpond.connect(shards[shard]).buffer(buf._backend.name)
+        single = millpond.connect(shards[shard]).buffer(buf.backend.name)
         assert set(single.sample(24, seed=0)["id"] // 100) == {shard}
     buf.close()
 
@@ -129,7 +129,7 @@ def test_samples_are_uniform_over_the_union_of_uneven_shards(shards):
     buf = client.create_buffer(name(), capacity=600, fields=FIELDS)
     counts = (150, 90, 60)
     start = 0
-    for handle, n in zip(writers(client, buf._backend.name), counts):
+    for handle, n in zip(writers(client, buf.backend.name), counts):
         handle.push_batch(id=np.arange(start, start + n))
         start += n
     draws = np.concatenate([buf.sample(300, seed=seed)["id"] for seed in range(100)])
@@ -138,7 +138,7 @@ def test_samples_are_uniform_over_the_union_of_uneven_shards(shards):
     by_shard = np.array([hist[:150].sum(), hist[150:240].sum(), hist[240:].sum()]) / len(draws)
     np.testing.assert_allclose(by_shard, [0.5, 0.3, 0.2], atol=0.02)
     # the same seed and contents give the same batch, whichever client asks
-    other = millpond.connect(list(shards), timeout=10).buffer(buf._backend.name)
+    other = millpond.connect(list(shards), timeout=10).buffer(buf.backend.name)
     for seed in (1, 2):
         np.testing.assert_array_equal(buf.sample(64, seed=seed)["id"],
                                       other.sample(64, seed=seed)["id"])
@@ -153,8 +153,8 @@ def test_prioritized_draws_follow_each_shards_mass_with_global_weights(shards):
     client = millpond.connect(shards, timeout=10)
     buf = client.create_buffer(name(), capacity=900, fields=FIELDS, prioritized=True,
                                alpha=1.0, beta=0.5)
-    for handle in writers(client, buf._backend.name):
-        shard = handle._backend.shard
+    for handle in writers(client, buf.backend.name):
+        shard = handle.backend.shard
         handle.push_batch(id=np.arange(100) + 1000 * shard, priorities=np.full(100, shard + 1.0))
     info = buf.info()
     assert info.priority_total == pytest.approx(600.0) and info.priority_min == 1.0
@@ -178,7 +178,7 @@ def test_update_priorities_routes_each_index_to_its_shard(shards):
     client = millpond.connect(shards, timeout=10)
     buf = client.create_buffer(name(), capacity=300, fields=FIELDS, prioritized=True,
                                alpha=1.0, beta=0.4)
-    for handle in writers(client, buf._backend.name):
+    for handle in writers(client, buf.backend.name):
         handle.push_batch(id=np.arange(50), priorities=np.ones(50))
     indices = encode_indices(1, np.arange(50))
     assert buf.update_priorities(indices, np.full(50, 4.0)) == 50
@@ -197,8 +197,8 @@ def test_update_priorities_routes_each_index_to_its_shard(shards):
 def test_queues_pop_from_the_fullest_shard_and_classes_take_address_lists(shards):
     client = millpond.connect(shards, timeout=10)
     queue = client.create_buffer(name(), capacity=30, fields=FIELDS, mode="queue")
-    for i, handle in enumerate(writers(client, queue._backend.name)):
-        handle.push_batch(id=np.arange(i + 2) + 10 * handle._backend.shard)
+    for i, handle in enumerate(writers(client, queue.backend.name)):
+        handle.push_batch(id=np.arange(i + 2) + 10 * handle.backend.shard)
     assert queue.sample(4)["id"].tolist() == [20, 21, 22, 23] and len(queue) == 5
     queue.close()
     buf = millpond.ReplayBuffer(30, obs_dim=2, act_dim=1, address=shards, name=name())
@@ -217,6 +217,8 @@ def test_queues_pop_from_the_fullest_shard_and_classes_take_address_lists(shards
 
 # ---- a shard dies and comes back -----------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.daemon
 def test_a_shard_killed_and_restarted_mid_run_loses_nothing_acknowledged(tmp_path):
     servers = start_all([ServerProcess(tmp_path / f"shard{i}") for i in range(3)])
     try:
@@ -240,7 +242,7 @@ def test_a_shard_killed_and_restarted_mid_run_loses_nothing_acknowledged(tmp_pat
         servers[1].proc.wait()
         for _ in range(5):  # shard 1's writer moves on to shard 2
             push_round()
-        assert handles[1]._backend.shard == 2
+        assert handles[1].backend.shard == 2
         info = buf.info()
         assert info.degraded and not info.shards[1].live and info.shards[1].error
         assert info.size == len(acked) - before
@@ -268,7 +270,7 @@ def test_a_shard_killed_and_restarted_mid_run_loses_nothing_acknowledged(tmp_pat
 
 def _actor(handle, start: int) -> int:
     handle.push_batch(id=np.arange(start, start + 10))
-    return handle._backend.shard
+    return handle.backend.shard
 
 
 def test_pickled_handles_work_in_spawned_actors(shards):
@@ -277,7 +279,7 @@ def test_pickled_handles_work_in_spawned_actors(shards):
     client = millpond.connect(shards, timeout=10)
     buf = client.create_buffer(name(), capacity=300, fields=FIELDS)
     with multiprocessing.get_context("spawn").Pool(2) as pool:
-        homes = pool.starmap(_actor, [(client.buffer(buf._backend.name), 100 * i)
+        homes = pool.starmap(_actor, [(client.buffer(buf.backend.name), 100 * i)
                                       for i in range(4)])
     assert len(buf) == 40 and set(homes) <= {0, 1, 2}
     buf.close()

@@ -11,6 +11,8 @@ import pytest
 import millpond
 from support import ServerProcess, start_all
 
+pytestmark = pytest.mark.daemon
+
 META = {"task": ("int64", ())}
 _names = itertools.count()
 
@@ -31,8 +33,8 @@ def filled(shards, lengths: dict[int, list[int]], timeout: float = 10, **kwargs)
     name = f"episodes-{next(_names)}"
     client.create_buffer(name, obs_dim=3, act_dim=1, episodes=True, meta_fields=META,
                          **(kwargs or {"capacity": 600})).release()
-    handles = sorted((client.buffer(name) for _ in shards), key=lambda h: h._backend.shard)
-    assert [h._backend.shard for h in handles] == list(range(len(shards)))
+    handles = sorted((client.buffer(name) for _ in shards), key=lambda h: h.backend.shard)
+    assert [h.backend.shard for h in handles] == list(range(len(shards)))
     for writer, handle in enumerate(handles):
         for episode, length in enumerate(lengths.get(writer, [])):
             with handle.one_episode(task=writer):

@@ -82,6 +82,7 @@ def test_same_host_client_uses_shared_memory(shared_server):
     assert client.transport == "shm"
 
 
+@pytest.mark.daemon
 def test_server_without_shm_means_grpc_silently_or_an_error_when_required(tmp_path):
     with ServerProcess(tmp_path / "data", "--no-shm") as server:
         client = millpond.connect(server.address)
@@ -101,6 +102,7 @@ def test_other_users_are_refused_and_fall_back_to_grpc(shared_server):
     assert (transport, size) == ("grpc", 4)
 
 
+@pytest.mark.daemon
 @needs_root
 def test_a_configured_group_is_admitted(tmp_path):
     with ServerProcess(tmp_path / "data", "--shm-group", str(NOBODY)) as server:
@@ -141,6 +143,7 @@ def result_segments_mapped() -> int:
         return sum("memfd:millpond-result" in line for line in maps)
 
 
+@pytest.mark.daemon
 def test_small_shared_memory_limit_falls_back_to_grpc_with_the_same_result(tmp_path):
     with ServerProcess(tmp_path / "data", "--shm-max-mb", "1") as server:
         client = millpond.connect(server.address)
@@ -179,6 +182,7 @@ def test_sigkill_of_a_client_releases_every_segment(shared_server):
     assert dev_shm() == before_shm
 
 
+@pytest.mark.daemon
 def test_sigkill_of_the_server_leaves_nothing_and_results_stay_readable(tmp_path):
     before_shm = dev_shm()
     server = ServerProcess(tmp_path / "data").start()
@@ -399,6 +403,7 @@ def test_hostile_priority_requests_get_typed_errors_and_change_nothing(shared_se
     assert len([t for t in held if not t.startswith("/memfd:")]) <= server_fds
 
 
+@pytest.mark.daemon
 def test_an_actor_keeps_pushing_across_a_daemon_restart(tmp_path):
     """The daemon restarts (same address, same data) between two pushes of an actor on
     the fast path: the second push is not lost to the dead session; it waits for the

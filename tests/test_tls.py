@@ -234,6 +234,7 @@ def serve(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60, env=base)
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("case", ["cert-alone", "ca-alone", "wrong-key", "tls-is-not-auth"])
 def test_the_server_refuses_tls_settings_that_cannot_work(pki, tmp_path, case):
     args = {

@@ -34,11 +34,38 @@ _ALIASES = {
 
 
 class Buffer(LearnerMethods, EpisodeMethods, ConfiguredBuffer):
-    """A replay buffer handle; see :class:`millpond.ReplayBuffer` for the methods."""
+    """A replay buffer handle; see :class:`millpond.ReplayBuffer` for the methods.
+
+    What backs it, read-only: :attr:`backend` (the object calls go to), :attr:`client`
+    (the server connection, None in-process) and :attr:`transport` (how the data moves).
+    """
 
     def __init__(self, backend: Any):
         self._backend = backend
         self.config: BufferConfig = backend.config  # fixed at creation
+
+    @property
+    def backend(self) -> Any:
+        """The object this handle delegates to: in-process the engine's
+        :class:`~millpond.core.TieredBuffer` (a read-only dataset for an in-process
+        :class:`~millpond.OfflineDatasetBuffer`); on a server a
+        :class:`~millpond.remote.RemoteBuffer`; across shards a
+        :class:`~millpond.sharded_buffer.ShardedBuffer`. Same methods, results and errors."""
+        return self._backend
+
+    @property
+    def client(self) -> Any:
+        """The client this handle reaches its server through (a :class:`millpond.Client`,
+        or for shards a :class:`millpond.sharded.ShardedClient`); None in-process."""
+        return getattr(self._backend, "_client", None)  # remote and sharded backends keep it
+
+    @property
+    def transport(self) -> str:
+        """How this handle's data moves: "in-process"; for a server "shm" while the
+        same-host shared-memory fast path is in use, else "grpc" (the client's
+        ``transport``); across shards that of every shard, or "mixed"."""
+        client = self.client
+        return "in-process" if client is None else client.transport
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
