@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Mapping
 
-from .core.config import BufferConfig, ConfiguredBuffer
+from .core.config import BufferConfig, ConfigAccessors
 from .core.info import BufferInfo
 from .devices import check_device, to_device
 from .episodic_handle import EpisodeMethods
@@ -33,7 +33,7 @@ _ALIASES = {
 }
 
 
-class Buffer(LearnerMethods, EpisodeMethods, ConfiguredBuffer):
+class Buffer(LearnerMethods, EpisodeMethods, ConfigAccessors):
     """A replay buffer handle; see :class:`millpond.ReplayBuffer` for the methods.
 
     What backs it, read-only: :attr:`backend` (the object calls go to), :attr:`client`

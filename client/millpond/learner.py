@@ -21,7 +21,7 @@ import numpy as np
 
 from .core.checks import check_batch_size, check_count, check_seed
 from .core.config import BufferConfig
-from .core.episodic import check_fields
+from .core.episode_checks import check_fields
 from .devices import check_device, to_device
 from .errors import InvalidArgumentError
 from .exporting import export, read_chunks

@@ -19,7 +19,7 @@ from .batching import PushBatcher
 from .core.checks import check_priorities, check_timeout
 from .core.config import BufferConfig
 from .core.episodes import EPISODE_COLUMN, with_episode_column
-from .core.episodic import check_push_episodes, check_updates
+from .core.episode_checks import check_push_episodes, check_updates
 from .core.schema import Schema
 from .errors import BufferClosedError, InvalidArgumentError
 from .grpc_transport import FRAMING_BYTES

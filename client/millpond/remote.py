@@ -23,9 +23,9 @@ from .core.checks import (
     check_seed,
     check_timeout,
 )
-from .core.config import BufferConfig, ConfiguredBuffer, check_exponent
+from .core.config import BufferConfig, ConfigAccessors, check_exponent
 from .core.episodes import EPISODE_COLUMN
-from .core.episodic import (
+from .core.episode_checks import (
     MAX_WINDOW,
     check_fields,
     check_filter,
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .transport import Connection
 
 
-class RemoteBuffer(QueuedWrites, ConfiguredBuffer):
+class RemoteBuffer(QueuedWrites, ConfigAccessors):
     """A handle on the server buffer ``name``. Picklable; safe after fork.
 
     Single-record ``push`` calls are batched on the client (see

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 
 from .core.checks import check_batch_size, check_indices, check_priorities, check_seed, check_timeout
-from .core.config import BufferConfig, ConfiguredBuffer, check_exponent
-from .core.episodic import check_filter
+from .core.config import BufferConfig, ConfigAccessors, check_exponent
+from .core.episode_checks import check_filter
 from .core.info import BufferInfo, ShardInfo
 from .errors import (
     BufferNotFoundError,
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from .sharded import ShardedClient
 
 
-class ShardedBuffer(ShardedReads, QueuedWrites, ConfiguredBuffer):
+class ShardedBuffer(ShardedReads, QueuedWrites, ConfigAccessors):
     """The buffer ``name`` on every shard of ``client`` (shard ``i`` with ``configs[i]``).
 
     ``owner``: this handle's create made it, so :meth:`close` deletes it on

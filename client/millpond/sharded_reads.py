@@ -39,7 +39,7 @@ import numpy as np
 from .core.config import BufferConfig
 from .core.info import BufferInfo
 from .core.checks import check_batch_size, check_count, check_indices, check_seed, check_timeout
-from .core.episodic import (
+from .core.episode_checks import (
     MAX_WINDOW,
     check_fields,
     check_filter,

@@ -34,7 +34,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from millpond.core import Schema, TieredBuffer
-from millpond.core.episodic import check_fields
+from millpond.core.episode_checks import check_fields
 from millpond.core.sequences import episodic_reply_nbytes
 from millpond.errors import InvalidArgumentError, MessageTooLargeError
 from millpond.shm.protocol import read_boot_id

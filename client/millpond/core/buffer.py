@@ -14,29 +14,51 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Any, Callable, Mapping, NoReturn
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import numpy as np
 
-from ..errors import BufferClosedError, InvalidConfigError, NotEnoughDataError
+from ..errors import (
+    BufferClosedError,
+    IndexOutOfRangeError,
+    InvalidArgumentError,
+    InvalidConfigError,
+    NotEnoughDataError,
+)
+from . import sequences
 from .bufferfile import BufferFile
-from .fileops import sync_fd
-from .checks import check_batch_size, check_priorities, check_seed, check_timeout
-from .config import BufferConfig, ConfiguredBuffer
-from .contents import Contents
-from .episodic import EpisodicReads
-from .footprint import hot_nbytes, memory_needed, slot_arrays_for
-from .memory import available_memory, check_available, memory_limit
+from .checks import (
+    check_batch_size,
+    check_count,
+    check_indices,
+    check_priorities,
+    check_seed,
+    check_timeout,
+)
+from .config import BufferConfig, ConfigAccessors, check_exponent
+from .draw import Proportional, strategy_for
+from .episode_checks import (
+    check_n_step,
+    MAX_WINDOW,
+    check_fields,
+    check_filter,
+    check_push_episodes,
+    check_updates,
+    require_episodes,
+)
+from .episodes import EpisodeIndex, record_ends
 from .fifo import Fifo
-from .prioritized import PriorityUpdates
-from .fileops import temp_path
+from .fileops import sync_fd, temp_path
+from .footprint import hot_nbytes, memory_needed, slot_arrays_for
 from .info import BufferInfo
+from .memory import available_memory, check_available, memory_limit
 from .ratelimit import RateState
 from .recovery import recover
+from .sequences import Out
 from .tier import Tier
 
 
-class TieredBuffer(PriorityUpdates, EpisodicReads, Contents, ConfiguredBuffer):
+class TieredBuffer(ConfigAccessors):
     """Hot ring + cold mapped-file ring behind one FIFO, as ``config`` describes.
 
     ``total_capacity == hot_capacity`` means no cold tier: the record leaving
@@ -49,8 +71,14 @@ class TieredBuffer(PriorityUpdates, EpisodicReads, Contents, ConfiguredBuffer):
     of the process; ``release()`` unmaps it and keeps the file, and
     :meth:`open` brings it back. ``sync_every_push`` makes each push wait for
     its pages to reach the disk (fdatasync) before it returns.
-    Episodic buffers: see :class:`.episodic.EpisodicReads`; positions, contents and
-    reset: :class:`.contents.Contents`.
+    The *contents* are the records ``len(buffer)`` counts: live, not damaged,
+    not used up (``max_times_sampled``), oldest first. A *position* indexes
+    them: 0 is the oldest record, ``len - 1`` the newest. Positions are
+    resolved to seqs under the lock, in the call that reads the records.
+
+    Episodic buffers (``config.episodes``) keep an
+    :class:`~.episodes.EpisodeIndex` beside the FIFO, and their windows,
+    n-step transitions and episodes are laid out by :mod:`.sequences`.
 
     Sampling (``config.mode``): ``"replay"`` draws with replacement (see
     :mod:`.draw`) and keeps records until they are evicted or used up;
@@ -253,7 +281,7 @@ class TieredBuffer(PriorityUpdates, EpisodicReads, Contents, ConfiguredBuffer):
 
         Episodic buffers: ``filter_meta`` draws only records of episodes
         with those meta values; ``n_step`` (with ``gamma``) returns n-step
-        transitions (see :meth:`.episodic.EpisodicReads.sample_n_step`).
+        transitions (see :meth:`sample_n_step`).
         """
         if n_step is not None:
             return self.sample_n_step(batch_size, n_step, gamma, seed, filter_meta=filter_meta,
@@ -310,6 +338,237 @@ class TieredBuffer(PriorityUpdates, EpisodicReads, Contents, ConfiguredBuffer):
             if size < batch_size:  # it takes batch_size distinct records (or draws left)
                 return False
         return self._rate.can_sample(batch_size, size)
+
+    # ---- contents: positions, everything, reset ------------------------------------
+
+    def _build_index(self) -> None:
+        """A fresh drawing strategy and episode index over the FIFO, the FIFO's listeners
+        (at creation; at reopen, then restored from the file; at reset)."""
+        config, fifo, persistent = self.config, self._fifo, self.persistent
+        self._strategy = strategy_for(config, fifo, fifo.file, persistent)
+        self._episodes = (EpisodeIndex(fifo, config.meta_fields, fifo.file if persistent else None)
+                          if config.episodes else None)
+        fifo.listeners = (self._strategy,) if self._episodes is None else (
+            self._strategy, self._episodes)
+
+    def _at_positions(self, positions: np.ndarray) -> np.ndarray:
+        """The seqs of the records at ``positions`` (lock held). IndexOutOfRangeError,
+        before anything is read, if a position is not in ``[0, len)``."""
+        size = self._size()
+        outside = (positions < 0) | (positions >= size)
+        if outside.any():
+            raise IndexOutOfRangeError(
+                f"position {int(positions[outside][0])} is out of range: the buffer holds "
+                f"{size} records, at positions 0 (oldest) to {size - 1} (newest)")
+        fifo = self._fifo
+        if not len(fifo.holes) and not self._strategy.removed:  # the contents are one range
+            return positions + fifo.first
+        seqs = fifo.live()
+        return seqs[self._strategy.drawable(seqs)][positions]
+
+    def contents(self, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Every record that can be sampled, oldest first (a copy; fields ``fields``,
+        default all, in that order), read at once: ``sample_all``, checks, tests."""
+        names = check_fields(self.config, fields)
+        with self._lock:
+            self._check_open()
+            seqs = self._fifo.live()
+            return self._fifo.gather_rows(seqs[self._strategy.drawable(seqs)], names)
+
+    def reset(self) -> None:
+        """Drop every record; keep the config, the file and the handle.
+
+        One commit drops them (a persistent buffer reopened after a crash is
+        either as before or empty, never half reset). Priorities, the sum
+        tree and ``max_priority`` (back to 1), use counts
+        (``max_times_sampled``) and the episode index start again as at
+        creation; ``beta`` keeps its value (set_beta's schedule is the
+        learner's, not the contents'). The rate limiter's diff restarts at 0
+        and ``min_size_to_sample`` applies to the empty buffer; ``inserts``,
+        ``samples`` and ``pushed`` keep counting (they are totals), as do
+        seqs: a sample's ``indices`` from before never name a later record.
+        An episode being written when the buffer is reset goes on as a new
+        episode (its steps count from 0). Calls waiting for the rate limiter
+        are woken to check again.
+        """
+        with self._lock:
+            self._check_open()
+            old = getattr(self._strategy, "inner", self._strategy)
+            beta = old.beta if isinstance(old, Proportional) else None
+            self._fifo.clear()
+            for listener in self._fifo.listeners:  # views of the file's map go
+                listener.release()
+            self._build_index()
+            new = getattr(self._strategy, "inner", self._strategy)
+            if beta is not None and isinstance(new, Proportional):
+                new.beta = beta
+            self._rate.reset()
+            self._rate.changed()
+
+    # ---- episodes ------------------------------------------------------------------
+
+    def update_episodes(self, updates: Sequence[tuple[int, Mapping[str, Any] | None, bool]]
+                        ) -> None:
+        """Apply ``(episode id, meta or None, end)`` updates in order: meta values reach
+        every record of the episode, past and future; ``end`` ends it. All are checked
+        before any is applied."""
+        index = self._episodes_or_raise()
+        checked = check_updates(self.config, updates)
+        with self._lock:
+            self._check_open()
+            for episode, meta, end in checked:
+                index.update(episode, meta, end)
+
+    def sample_n_step(self, batch_size: int, n_step: int, gamma: float = 0.99,
+                      seed: int | None = None, *, filter_meta: Mapping[str, Any] | None = None,
+                      timeout: float | None = None, out: Out = None) -> dict[str, np.ndarray]:
+        """n-step transitions (transition schema): ``obs`` and ``actions`` of step ``t``,
+        ``rewards`` the discounted sum of the next ``n_step_lens`` rewards from ``t``
+        (``n_step_lens = min(n_step, steps stored from t to the episode's last stored
+        step)``, returned too), ``next_obs``, ``terminated`` and ``truncated`` of step
+        ``t + n_step_lens - 1``. Steps ``t`` are drawn like :meth:`sample`'s records.
+        ``out``: arrays for the results (e.g. shared memory), as for :meth:`sample`."""
+        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+        n_step, gamma = check_n_step(self.config, n_step, gamma)
+        index, wanted = self._episodes_or_raise(), self._filter(filter_meta)
+        return self._read(batch_size, batch_size, timeout, lambda: sequences.sample_n_step(
+            self._fifo, index, self._strategy, self._generator(seed), batch_size, n_step, gamma,
+            wanted, out))
+
+    def sample_sequences(self, batch_size: int, seq_len: int, seed: int | None = None, *,
+                         filter_meta: Mapping[str, Any] | None = None,
+                         timeout: float | None = None, out: Out = None) -> dict[str, np.ndarray]:
+        """``batch_size`` windows of ``seq_len`` consecutive steps of one episode each.
+
+        Every field is ``[batch_size, seq_len, ...]``, zero past the window's
+        end, with ``mask`` (bool ``[batch_size, seq_len]``), ``lens`` (steps
+        in the window: ``seq_len``, or fewer at the episode's last stored
+        step), ``episode_ids``, ``start_steps`` (the start's step in its
+        episode) and the meta fields (``[batch_size, ...]``). Starts are drawn
+        with replacement among the live records, like :meth:`sample`'s
+        (prioritized buffers add ``weights`` and ``indices`` of the starts);
+        NotEnoughDataError only when there is none.
+        """
+        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+        seq_len = check_count("seq_len", seq_len, MAX_WINDOW)
+        index, wanted = self._episodes_or_raise(), self._filter(filter_meta)
+        return self._read(batch_size, 1, timeout, lambda: sequences.sample_sequences(
+            self._fifo, index, self._strategy, self._generator(seed), batch_size, seq_len, wanted,
+            out))
+
+    sample_trajectories = sample_sequences  # rlox's name
+
+    def sample_episodes(self, batch_size: int, seed: int | None = None, *,
+                        max_len: int | None = None, filter_meta: Mapping[str, Any] | None = None,
+                        timeout: float | None = None) -> dict[str, np.ndarray]:
+        """``batch_size`` complete live episodes, drawn uniformly with replacement: fields
+        ``[batch_size, T, ...]`` with ``T`` the longest drawn (or ``max_len``, which
+        cuts longer ones), ``mask``, ``lens``, ``episode_ids`` and the meta fields."""
+        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+        if max_len is not None:
+            max_len = check_count("max_len", max_len, MAX_WINDOW)
+        index, wanted = self._episodes_or_raise(), self._filter(filter_meta)
+        return self._read(batch_size, 1, timeout, lambda: sequences.sample_episodes(
+            self._fifo, index, self._generator(seed), batch_size, max_len, wanted))
+
+    def episode_catalog(self, filter_meta: Mapping[str, Any] | None = None
+                        ) -> dict[str, np.ndarray]:
+        """The complete live episodes (matching ``filter_meta``) in episode order:
+        ``episode_ids``, ``lens``, meta fields, and ``seqs``, their records' indices
+        (episode after episode, step order) for :meth:`read`. Not a sample."""
+        index, wanted = self._episodes_or_raise(), self._filter(filter_meta)
+        with self._lock:
+            self._check_open()
+            return sequences.catalog(index, wanted)
+
+    def read(self, seqs: Any, fields: Sequence[str] | None = None, *, positions: bool = False,
+             episode_ids: bool = False, out: Out = None) -> dict[str, np.ndarray]:
+        """Records by index (the ``seqs`` of :meth:`episode_catalog`, the ``indices`` of
+        a sample), in the order given, fields ``fields`` (default: all, in the order
+        given), and ``live``: which were still live (the others' rows are zero).
+
+        ``positions``: ``seqs`` are positions in the contents instead (0 = the
+        oldest record, see :mod:`.contents`), resolved under the lock with the
+        read: IndexOutOfRangeError, nothing read, if one is not in ``[0, len)``.
+        ``episode_ids`` (episodic buffers): also each record's episode id.
+        Not a sample: no rate limit, no use counted."""
+        wanted = check_indices(seqs, "positions" if positions else "seqs")
+        names = self._field_names(fields)
+        index = self._episodes_or_raise() if episode_ids else None
+        with self._lock:
+            self._check_open()
+            if positions:
+                wanted = self._at_positions(wanted)
+            return sequences.read(self._fifo, wanted, names, out, index)
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _episode_writes(self, n: int, batch: Mapping[str, np.ndarray], episodes: Any,
+                        updates: Any) -> Callable[[int, int], None] | None:
+        """What a push of ``batch`` (``n`` validated records, of ``episodes``) writes into
+        the episode index before it commits, and then ``updates`` (meta, ends) that
+        ride with it: visible together with its records (None: not episodic)."""
+        ids = check_push_episodes(self.config, episodes, n)
+        checked = check_updates(self.config, updates) if updates else []
+        index = self._episodes
+        if ids is None or index is None:
+            return None
+
+        def write(old: int, new: int) -> None:
+            index.appended(old, new, ids, record_ends(self.config.schema, batch, n))
+            for episode, meta, end in checked:
+                index.update(episode, meta, end, index.first_after(new))
+
+        return write
+
+    def _episodes_or_raise(self) -> EpisodeIndex:
+        require_episodes(self.config)
+        assert self._episodes is not None
+        return self._episodes
+
+    def _filter(self, filter_meta: Mapping[str, Any] | None) -> dict[str, np.ndarray] | None:
+        return check_filter(self.config, filter_meta)
+
+    def _field_names(self, fields: Sequence[str] | None) -> list[str] | None:
+        return check_fields(self.config, fields)
+
+    def _episode_counts(self) -> tuple[int, int]:
+        """``info()``'s ``episodes`` and ``episodes_in_progress`` (lock held)."""
+        index = self._episodes
+        return (0, 0) if index is None else (index.complete, index.in_progress)
+
+    # ---- priorities ----------------------------------------------------------------
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        """Set new priorities for sampled records; returns how many were still live.
+
+        ``indices`` are the ``indices`` a sample returned. Records evicted (or
+        used up) since then are ignored: their slot may hold a newer record.
+        """
+        proportional = self._proportional()
+        assert proportional is not None  # required: raised otherwise
+        seqs = check_indices(indices)
+        values = check_priorities(priorities, len(seqs))
+        with self._lock:
+            self._check_open()
+            live = self._fifo.is_live(seqs)
+            live[live] &= self._strategy.drawable(seqs[live])
+            proportional.update(seqs[live], values[live])
+            return int(live.sum())
+
+    def set_beta(self, beta: float) -> None:
+        """Set the importance-sampling exponent (anneal it towards 1)."""
+        proportional = self._proportional()
+        assert proportional is not None  # required: raised otherwise
+        proportional.beta = check_exponent("beta", beta)
+
+    def _proportional(self, required: bool = True) -> Proportional | None:
+        strategy = getattr(self._strategy, "inner", self._strategy)
+        if isinstance(strategy, Proportional):
+            return strategy
+        if required:
+            raise InvalidArgumentError("priorities are for prioritized buffers; this one is uniform")
+        return None
 
     # ---- lifecycle ------------------------------------------------------------
 

@@ -246,7 +246,7 @@ class BufferConfig:
                    meta.get("episodes", False), meta_schema(meta.get("meta_fields")))
 
 
-class ConfiguredBuffer:
+class ConfigAccessors:
     """The settings every buffer object reads from its ``config``: in-process
     buffers, remote handles and infos alike."""
 

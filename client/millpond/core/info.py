@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Mapping
 
-from .config import BufferConfig, ConfiguredBuffer
+from .config import BufferConfig, ConfigAccessors
 
 
 @dataclass(frozen=True, eq=False)
-class BufferInfo(ConfiguredBuffer, Mapping[str, Any]):
+class BufferInfo(ConfigAccessors, Mapping[str, Any]):
     """A snapshot of one buffer: its config, sizes and counters.
 
     Sizes: ``size`` records can be sampled (live, not damaged, not used up);
