@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import millpond
 from millpond.core import BufferConfig
-from millpond.grpc_transport import GrpcTransport
-from millpond.shm import protocol
+from millpond.remote.grpc_transport import GrpcTransport
+from millpond.remote.shm import protocol
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc as pb_grpc
 from millpond.wire.codec import encode_batch

@@ -1,4 +1,4 @@
-"""Client-side batching for actors: :class:`millpond.batching.PushBatcher`.
+"""Client-side batching for actors: :class:`millpond.remote.batcher.PushBatcher`.
 
 Real schemas, real numpy arrays and a real in-process TieredBuffer as the
 sink. No fixed sleeps: waits poll a condition against a deadline.
@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import pytest
 
-from millpond.batching import PushBatcher
+from millpond.remote.batcher import PushBatcher
 from millpond.core import Schema
 from millpond.errors import (
     BufferClosedError,
@@ -418,7 +418,7 @@ def test_atexit_flushes_live_batchers(tmp_path):
     out = tmp_path / "sent.txt"
     script = textwrap.dedent(f"""
         import numpy as np
-        from millpond.batching import PushBatcher
+        from millpond.remote.batcher import PushBatcher
         from millpond.core import Schema
 
         schema = Schema.from_spec({{"id": ("int64", ()), "x": ("float32", (2,))}})
@@ -442,7 +442,7 @@ def test_atexit_flushes_live_batchers(tmp_path):
 def test_finalizer_run_in_a_thread_holding_the_lock_still_stops_the_thread(sink):
     # Garbage collection may run the finalizer inside the batcher's own
     # thread while it holds the lock; the stop must not be lost or deadlock.
-    from millpond.batch_state import _stop_from_finalizer
+    from millpond.remote.batch_state import _stop_from_finalizer
 
     b = PushBatcher(SCHEMA, sink, max_records=10, max_delay=60)
     b.add(rec(0))

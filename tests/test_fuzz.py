@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import millpond
-from millpond.shm import memfd, protocol
+from millpond.remote.shm import memfd, protocol
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc as pb_grpc
 from millpond.wire.frames import PUSH_BATCH_FIELD, encode_with_batch

@@ -117,9 +117,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_walker_sees_the_imports_it_should():
     """A check of the check: known edges are found, TYPE_CHECKING ones are not."""
     assert "millpond.core.fifo" in GRAPH["millpond.core.buffer"]
-    assert "millpond.transport" in GRAPH["millpond.client"]
+    assert "millpond.remote.connection" in GRAPH["millpond.client"]
     assert "millpond_server.operations" in GRAPH["millpond_server.service"]
-    assert "millpond.client" not in GRAPH["millpond.remote"]  # only under TYPE_CHECKING
+    assert "millpond.client" not in GRAPH["millpond.remote.buffer"]  # only under TYPE_CHECKING
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -156,7 +156,7 @@ def test_the_daemon_does_not_load_the_client_library(entry):
             "print(' '.join(m for m in sys.modules if m.startswith('millpond')))")
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                 check=True, timeout=60).stdout.split())
-    client_side = {"millpond.api", "millpond.client", "millpond.handle", "millpond.remote",
-                   "millpond.batching", "millpond.transport", "millpond.sampler"}
+    client_side = {"millpond.api", "millpond.client", "millpond.handle.buffer", "millpond.remote.buffer",
+                   "millpond.remote.batcher", "millpond.remote.connection", "millpond.handle.sampler"}
     assert "millpond.core.buffer" in loaded
     assert not loaded & client_side, sorted(loaded & client_side)

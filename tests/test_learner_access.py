@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import millpond
-from millpond.exporting import export
+from millpond.handle.export import export
 from support import ServerProcess, wait_for_ready, without_stats
 import test_contract_kinds as kinds
 from test_contract_kinds import FIELDS, TRANSPORTS, records

@@ -9,7 +9,7 @@ import pytest
 
 import millpond
 from millpond.core.dataset import ReadOnlyBuffer, dataset_columns
-from millpond.progress import ProgressBar
+from millpond.offline.progress import ProgressBar
 
 # Episodes of lengths 4, 3, 5 (terminated, truncated, terminated) and a final one of 2
 # with no flag: 14 transitions.

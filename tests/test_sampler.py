@@ -1,4 +1,4 @@
-"""Sampling with prefetch for learners: :class:`millpond.sampler.Sampler`.
+"""Sampling with prefetch for learners: :class:`millpond.handle.sampler.Sampler`.
 
 Real buffers (TieredBuffer and the public ReplayBuffer), real threads; waits
 are on conditions with deadlines, never fixed sleeps.
@@ -21,7 +21,7 @@ from millpond.errors import (
     InvalidBatchSizeError,
     NotEnoughDataError,
 )
-from millpond.sampler import THREAD_NAME, Sampler
+from millpond.handle.sampler import THREAD_NAME, Sampler
 from support import engine, wait_until
 
 DEADLINE = 10.0

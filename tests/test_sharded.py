@@ -15,9 +15,9 @@ import pytest
 
 import millpond
 from millpond.core import TieredBuffer
-from millpond.shard_names import _natural, resolve, stable_names
-from millpond.sharded import ShardedClient
-from millpond.sharding import SHARD_SHIFT, decode_indices, encode_indices, shard_configs, split
+from millpond.sharded.names import _natural, resolve, stable_names
+from millpond.sharded.client import ShardedClient
+from millpond.sharded.placement import SHARD_SHIFT, decode_indices, encode_indices, shard_configs, split
 from support import ServerProcess, start_all, wait_until
 
 FIELDS = {"id": ("int64", ())}

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from millpond.errors import InvalidArgumentError
-from millpond.shm import protocol
+from millpond.remote.shm import protocol
 
 U64 = st.integers(0, 2**64 - 1)
 SAMPLES = st.fixed_dictionaries({

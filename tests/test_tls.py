@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import millpond
-from millpond.shm import protocol
+from millpond.remote.shm import protocol
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc as pb_grpc
 from support import ServerProcess

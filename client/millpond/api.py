@@ -5,8 +5,8 @@ arguments (``PrioritizedReplayBuffer`` adds ``alpha`` and ``beta``). Without
 ``address`` they run the engine in-process; with ``address="host:port"`` and
 ``name=...`` the same object talks to a millpond server (a list of addresses,
 or ``"dns:///NAME:PORT"``: one buffer over several servers, see
-:mod:`millpond.sharded`). Either way the
-methods, results and exceptions are the same (see :mod:`millpond.handle`).
+:mod:`millpond.sharded.client`). Either way the
+methods, results and exceptions are the same (see :mod:`millpond.handle.buffer`).
 
 This module only turns constructor arguments into a
 :class:`~millpond.core.BufferConfig` and picks the backend.
@@ -17,11 +17,11 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Sequence
 
-from .client import connect
-from .core import BufferConfig, Schema, TieredBuffer
-from .core.ratelimit import RateLimiter
-from .errors import ConfigMismatchError, InvalidConfigError
-from .handle import Buffer, PrioritizedBuffer
+from millpond.client import connect
+from millpond.core import BufferConfig, Schema, TieredBuffer
+from millpond.core.ratelimit import RateLimiter
+from millpond.errors import ConfigMismatchError, InvalidConfigError
+from millpond.handle.buffer import Buffer, PrioritizedBuffer
 
 
 def _backend(config: BufferConfig, address: str | Sequence[str] | None, name: str | None,

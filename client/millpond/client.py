@@ -26,18 +26,18 @@ import threading
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .core.checks import is_real
-from .core.config import BufferConfig
-from .core.info import BufferInfo
-from .errors import InvalidConfigError
-from .handle import Buffer, handle_for
-from .making import BufferMaker
-from .remote import RemoteBuffer
-from .security import Credentials
-from .transport import Connection
+from millpond.core.checks import is_real
+from millpond.core.config import BufferConfig
+from millpond.core.info import BufferInfo
+from millpond.errors import InvalidConfigError
+from millpond.handle.buffer import Buffer, handle_for
+from millpond.making import BufferMaker
+from millpond.remote.buffer import RemoteBuffer
+from millpond.remote.security import Credentials
+from millpond.remote.connection import Connection
 
 if TYPE_CHECKING:
-    from .sharded import ShardedClient
+    from millpond.sharded.client import ShardedClient
 
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_MESSAGE_MB = 512
@@ -70,8 +70,8 @@ def connect(
 
     A list of addresses, or ``"dns:///NAME:PORT"`` (every address NAME
     resolves to, e.g. a Kubernetes headless Service), gives a
-    :class:`~millpond.sharded.ShardedClient`: the servers act as one buffer
-    (see :mod:`millpond.sharded`), each with these settings.
+    :class:`~millpond.sharded.client.ShardedClient`: the servers act as one buffer
+    (see :mod:`millpond.sharded.client`), each with these settings.
 
     ``timeout``: the deadline of every call, in seconds. A push or sample
     may also wait for the buffer's rate limiter: up to its own ``timeout=``
@@ -104,7 +104,7 @@ def connect(
     ``tls_ca``; ``tls_cert`` and ``tls_key`` add a client certificate. Their
     defaults are ``MILLPOND_TLS_CA``, ``MILLPOND_TLS_CERT`` and
     ``MILLPOND_TLS_KEY``, any of which turns TLS on (see
-    :mod:`millpond.security`). A missing or wrong token raises
+    :mod:`millpond.remote.security`). A missing or wrong token raises
     AuthenticationError; a token whose role may not do a call,
     PermissionDeniedError.
     """
@@ -113,7 +113,7 @@ def connect(
         push_max_delay=push_max_delay, max_in_flight=max_in_flight, token=token, tls=tls,
         tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
     if not isinstance(address, str) or address.startswith("dns:///"):
-        from .sharded import ShardedClient
+        from millpond.sharded.client import ShardedClient
 
         return ShardedClient(address, Client, **settings)
     return Client(address, **settings)

@@ -37,9 +37,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .core.dataset import ReadOnlyBuffer, dataset_columns
-from .errors import InvalidArgumentError
-from .progress import ProgressBar
+from millpond.core.dataset import ReadOnlyBuffer, dataset_columns
+from millpond.errors import InvalidArgumentError
+from millpond.offline.progress import ProgressBar
 
 # D4RL's name -> rlox's; rlox's names map to themselves.
 NAMES = {"observations": "obs", "next_observations": "next_obs", "terminals": "terminated",

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .core.config import BufferConfig
-from .core.ratelimit import RateLimiter
-from .core.schema import Schema
-from .handle import Buffer, handle_for
+from millpond.core.config import BufferConfig
+from millpond.core.ratelimit import RateLimiter
+from millpond.core.schema import Schema
+from millpond.handle.buffer import Buffer, handle_for
 
 
 class BufferMaker:
@@ -55,7 +55,7 @@ class BufferMaker:
         The handle's ``close()`` deletes the buffer if this call created it;
         if it attached, ``close()`` only releases the handle. A sharded
         client splits the capacities over its shards (see
-        :meth:`millpond.sharded.ShardedClient.remote_buffer`).
+        :meth:`millpond.sharded.client.ShardedClient.remote_buffer`).
         """
         config = BufferConfig.build(
             capacity=capacity, hot_capacity=hot_capacity, total_capacity=total_capacity,

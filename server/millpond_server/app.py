@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from millpond.errors import StorageIOError
-from millpond.malloc import tune_malloc_for_large_messages
+from millpond.remote.malloc import tune_malloc_for_large_messages
 
 from .auth import load_auth, server_credentials
 from .config import ServeConfig

@@ -114,7 +114,7 @@ def _unreachable(command: str, address: str, exc: grpc.RpcError) -> int:
 
 def _channel(address: str) -> tuple[Any, Any]:
     """``(channel, metadata)`` from MILLPOND_TOKEN and MILLPOND_TLS_*, as connect() reads them."""
-    from millpond.security import Credentials
+    from millpond.remote.security import Credentials
 
     credentials = Credentials.resolve()
     return credentials.channel(address, []), credentials.metadata()

@@ -1,4 +1,4 @@
-"""The sessions of the same-host fast path (see :mod:`millpond.shm`).
+"""The sessions of the same-host fast path (see :mod:`millpond.remote.shm`).
 
 Each connection the listener (:mod:`.shm_listener`) admits gets a session
 thread that decodes its requests and calls the operations layer
@@ -36,7 +36,7 @@ from millpond.errors import (
     InvalidConfigError,
     SharedMemoryError,
 )
-from millpond.shm import memfd, protocol
+from millpond.remote.shm import memfd, protocol
 from millpond.wire.status import status_for
 
 from . import shm_requests as req

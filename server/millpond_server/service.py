@@ -37,7 +37,7 @@ from millpond.core import Schema, TieredBuffer
 from millpond.core.episode_checks import check_fields
 from millpond.core.sequences import episodic_reply_nbytes
 from millpond.errors import InvalidArgumentError, MessageTooLargeError
-from millpond.shm.protocol import read_boot_id
+from millpond.remote.shm.protocol import read_boot_id
 from millpond.v1 import replay_pb2 as pb
 from millpond.wire.codec import config_from_proto, decode_batch, info_to_proto
 from millpond.wire.frames import (

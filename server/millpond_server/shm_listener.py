@@ -21,7 +21,7 @@ import time
 import uuid
 
 from millpond.errors import PermissionDeniedError, ReplayError, SharedMemoryError
-from millpond.shm import protocol
+from millpond.remote.shm import protocol
 
 from .fastpath import FastPathSession
 from .operations import Operations

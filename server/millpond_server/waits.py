@@ -13,7 +13,7 @@ import gc
 from typing import Any, Callable, TypeVar
 
 from millpond.errors import LimitExceededError, RateLimitTimeoutError
-from millpond.malloc import release_free_memory
+from millpond.remote.malloc import release_free_memory
 
 T = TypeVar("T")
 # Parked calls that held more than this, once all gone, give their memory back to the OS.

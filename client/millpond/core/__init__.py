@@ -3,9 +3,9 @@
 numpy and the standard library only; knows nothing of gRPC, protobuf or sessions.
 """
 
-from .buffer import TieredBuffer
-from .config import BufferConfig, Prioritized
-from .info import BufferInfo
-from .schema import Field, Schema
+from millpond.core.buffer import TieredBuffer
+from millpond.core.config import BufferConfig, Prioritized
+from millpond.core.info import BufferInfo
+from millpond.core.schema import Field, Schema
 
 __all__ = ["BufferConfig", "BufferInfo", "Field", "Prioritized", "Schema", "TieredBuffer"]

@@ -18,16 +18,16 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import numpy as np
 
-from ..errors import (
+from millpond.errors import (
     BufferClosedError,
     IndexOutOfRangeError,
     InvalidArgumentError,
     InvalidConfigError,
     NotEnoughDataError,
 )
-from . import sequences
-from .bufferfile import BufferFile
-from .checks import (
+from millpond.core import sequences
+from millpond.core.bufferfile import BufferFile
+from millpond.core.checks import (
     check_batch_size,
     check_count,
     check_indices,
@@ -35,9 +35,9 @@ from .checks import (
     check_seed,
     check_timeout,
 )
-from .config import BufferConfig, ConfigAccessors, check_exponent
-from .draw import Proportional, strategy_for
-from .episode_checks import (
+from millpond.core.config import BufferConfig, ConfigAccessors, check_exponent
+from millpond.core.draw import Proportional, strategy_for
+from millpond.core.episode_checks import (
     check_n_step,
     MAX_WINDOW,
     check_fields,
@@ -46,16 +46,16 @@ from .episode_checks import (
     check_updates,
     require_episodes,
 )
-from .episodes import EpisodeIndex, record_ends
-from .fifo import Fifo
-from .fileops import sync_fd, temp_path
-from .footprint import hot_nbytes, memory_needed, slot_arrays_for
-from .info import BufferInfo
-from .memory import available_memory, check_available, memory_limit
-from .ratelimit import RateState
-from .recovery import recover
-from .sequences import Out
-from .tier import Tier
+from millpond.core.episodes import EpisodeIndex, record_ends
+from millpond.core.fifo import Fifo
+from millpond.core.fileops import sync_fd, temp_path
+from millpond.core.footprint import hot_nbytes, memory_needed, slot_arrays_for
+from millpond.core.info import BufferInfo
+from millpond.core.memory import available_memory, check_available, memory_limit
+from millpond.core.ratelimit import RateState
+from millpond.core.recovery import recover
+from millpond.core.sequences import Out
+from millpond.core.tier import Tier
 
 
 class TieredBuffer(ConfigAccessors):

@@ -48,14 +48,14 @@ from typing import Mapping
 
 import numpy as np
 
-from ..errors import CorruptFileError, FileConflictError, InvalidConfigError
-from .schema import Schema
-from .checksum import CHECKSUM_DTYPE
-from .memory import keep_resident
-from .fileops import (CREATE_FLAGS, allocate, check_free_space, fsync_directory, sync_fd,
+from millpond.errors import CorruptFileError, FileConflictError, InvalidConfigError
+from millpond.core.schema import Schema
+from millpond.core.checksum import CHECKSUM_DTYPE
+from millpond.core.memory import keep_resident
+from millpond.core.fileops import (CREATE_FLAGS, allocate, check_free_space, fsync_directory, sync_fd,
                       unlink_quietly)
-from .coldio import TierFile
-from .tier import CHECKSUM_REGION, SEQ_DTYPE, SEQ_REGION, Tier
+from millpond.core.coldio import TierFile
+from millpond.core.tier import CHECKSUM_REGION, SEQ_DTYPE, SEQ_REGION, Tier
 
 MAGIC = b"MILLPOND"
 FORMAT_VERSION = 4

@@ -11,7 +11,7 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, InvalidBatchSizeError
+from millpond.errors import InvalidArgumentError, InvalidBatchSizeError
 
 
 def is_integral(value: object) -> TypeGuard[int]:

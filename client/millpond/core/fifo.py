@@ -16,9 +16,9 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from .bufferfile import BufferFile
-from .schema import Schema
-from .tier import Tier
+from millpond.core.bufferfile import BufferFile
+from millpond.core.schema import Schema
+from millpond.core.tier import Tier
 
 
 class FifoListener(Protocol):

@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 
-from ..errors import InvalidConfigError, StorageFullError, StorageIOError
+from millpond.errors import InvalidConfigError, StorageFullError, StorageIOError
 
 CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 

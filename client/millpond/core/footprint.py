@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bufferfile import BufferFile
-from .config import BufferConfig
-from .draw import COUNT_ARRAYS, strategy_arrays
-from .episodes import episode_arrays
-from .sumtree import tree_nbytes
-from .checksum import CHECKSUM_DTYPE
-from .tier import SEQ_DTYPE
+from millpond.core.bufferfile import BufferFile
+from millpond.core.config import BufferConfig
+from millpond.core.draw import COUNT_ARRAYS, strategy_arrays
+from millpond.core.episodes import episode_arrays
+from millpond.core.sumtree import tree_nbytes
+from millpond.core.checksum import CHECKSUM_DTYPE
+from millpond.core.tier import SEQ_DTYPE
 
 
 def memory_needed(config: BufferConfig, persistent: bool) -> int:

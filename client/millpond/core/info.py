@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Mapping
 
-from .config import BufferConfig, ConfigAccessors
+from millpond.core.config import BufferConfig, ConfigAccessors
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,7 +42,7 @@ class BufferInfo(ConfigAccessors, Mapping[str, Any]):
     ``max_times_sampled``, ``rate_limiter``, ``prioritized``.
 
     ``shards`` (an attribute, not a key) is empty except in the info of a
-    sharded buffer (:mod:`millpond.sharded`): one :class:`ShardInfo` per
+    sharded buffer (:mod:`millpond.sharded.client`): one :class:`ShardInfo` per
     shard, whose sums the other numbers are; ``degraded`` says whether one
     of them did not answer.
     """

@@ -14,7 +14,7 @@ import mmap
 import time
 from typing import Iterator
 
-from ..errors import StorageFullError
+from millpond.errors import StorageFullError
 
 
 def check_available(needed: int, what: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from ..errors import (
+from millpond.errors import (
     DTypeMismatchError,
     FieldMismatchError,
     InvalidConfigError,

@@ -12,10 +12,10 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from .checksum import record_checksums
-from .coldio import TierFile
-from .ring import ring_chunks
-from .schema import Schema
+from millpond.core.checksum import record_checksums
+from millpond.core.coldio import TierFile
+from millpond.core.ring import ring_chunks
+from millpond.core.schema import Schema
 
 # The seq column stores seq mod 2**32: half the bytes of a full counter (it
 # is ~20% of a CartPole record), and a slot check "does slot hold record s?"

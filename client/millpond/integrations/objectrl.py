@@ -58,7 +58,7 @@ from tensordict import TensorDict
 
 import millpond
 
-from ..errors import BufferNotFoundError, InvalidArgumentError, NotEnoughDataError
+from millpond.errors import BufferNotFoundError, InvalidArgumentError, NotEnoughDataError
 
 SEP = "__"
 _SEED_RANGE = 2**31 - 1

@@ -58,9 +58,9 @@ from stable_baselines3.common import buffers as sb3
 from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
-from ..api import MmapReplayBuffer as _MmapBuffer
-from ..api import ReplayBuffer as _RamBuffer
-from ..errors import InvalidConfigError, NotEnoughDataError
+from millpond.api import MmapReplayBuffer as _MmapBuffer
+from millpond.api import ReplayBuffer as _RamBuffer
+from millpond.errors import InvalidConfigError, NotEnoughDataError
 
 # A server buffer's adds in flight (see millpond.connect's max_in_flight): ``add`` returns
 # once its step is sent, and ``sample`` (which reads) waits for them first.

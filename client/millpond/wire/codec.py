@@ -13,12 +13,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..core.config import BufferConfig, Prioritized
-from ..core.info import COUNTERS, PRIORITY_STATE, BufferInfo
-from ..core.ratelimit import RateLimiter
-from ..core.schema import MAX_DIMENSION, MAX_FIELD_NDIM, Schema, plain_dtype
-from ..errors import DTypeMismatchError, InvalidConfigError, ShapeMismatchError
-from ..v1 import replay_pb2 as pb
+from millpond.core.config import BufferConfig, Prioritized
+from millpond.core.info import COUNTERS, PRIORITY_STATE, BufferInfo
+from millpond.core.ratelimit import RateLimiter
+from millpond.core.schema import MAX_DIMENSION, MAX_FIELD_NDIM, Schema, plain_dtype
+from millpond.errors import DTypeMismatchError, InvalidConfigError, ShapeMismatchError
+from millpond.v1 import replay_pb2 as pb
 
 
 def encode_batch(columns: Mapping[str, np.ndarray]) -> pb.Batch:

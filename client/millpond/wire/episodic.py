@@ -14,9 +14,9 @@ import numpy as np
 
 from google.protobuf.message import DecodeError
 
-from ..errors import InvalidArgumentError
-from ..v1 import replay_pb2 as pb
-from .codec import decode_batch, encode_batch
+from millpond.errors import InvalidArgumentError
+from millpond.v1 import replay_pb2 as pb
+from millpond.wire.codec import decode_batch, encode_batch
 
 
 def encode_meta(meta: Mapping[str, np.ndarray] | None) -> pb.Batch:

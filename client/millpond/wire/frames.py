@@ -28,8 +28,8 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, ShapeMismatchError
-from .codec import check_column
+from millpond.errors import InvalidArgumentError, ShapeMismatchError
+from millpond.wire.codec import check_column
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 

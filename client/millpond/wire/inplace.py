@@ -33,7 +33,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .frames import _column_head, _len_prefix
+from millpond.wire.frames import _column_head, _len_prefix
 
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)

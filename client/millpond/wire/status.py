@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import grpc
 
-from .. import errors as e
+from millpond import errors as e
 
 ERROR_CODE_KEY = "millpond-error-code"
 

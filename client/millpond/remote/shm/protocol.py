@@ -61,8 +61,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..core.schema import Schema
-from ..errors import InvalidArgumentError, ReplayError, error_classes
+from millpond.core.schema import Schema
+from millpond.errors import InvalidArgumentError, ReplayError, error_classes
 
 # 2: priorities, update_priorities, set_beta and a sample's extras. A version
 # 1 server would ignore a push's priorities: the hello refuses the mismatch

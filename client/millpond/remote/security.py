@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import grpc
 
-from .errors import InvalidConfigError
+from millpond.errors import InvalidConfigError
 
 TOKEN_ENV = "MILLPOND_TOKEN"
 TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV = "MILLPOND_TLS_CA", "MILLPOND_TLS_CERT", "MILLPOND_TLS_KEY"

@@ -20,12 +20,12 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from ..core.config import BufferConfig
-from ..core.schema import Schema
-from ..core.sequences import n_step_specs, read_specs, sequence_specs
-from ..errors import SharedMemoryError
-from . import protocol
-from .session import ShmSession
+from millpond.core.config import BufferConfig
+from millpond.core.schema import Schema
+from millpond.core.sequences import n_step_specs, read_specs, sequence_specs
+from millpond.errors import SharedMemoryError
+from millpond.remote.shm import protocol
+from millpond.remote.shm.session import ShmSession
 
 T = TypeVar("T")
 

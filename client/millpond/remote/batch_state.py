@@ -1,4 +1,4 @@
-"""The state a :class:`~millpond.batching.PushBatcher` shares with its thread.
+"""The state a :class:`~millpond.remote.batcher.PushBatcher` shares with its thread.
 
 Two sets of column arrays ("slots"), double-buffered: while one slot is
 being sent, ``add`` fills the other; a full slot is never copied. One lock
@@ -22,8 +22,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Protocol, cast
 
 import numpy as np
 
-from .core.schema import Schema
-from .errors import BufferClosedError
+from millpond.core.schema import Schema
+from millpond.errors import BufferClosedError
 
 SendFn = Callable[[dict[str, np.ndarray]], Any]
 

@@ -1,10 +1,10 @@
 """The writes every client-side backend shares (one server, or many shards).
 
 :class:`QueuedWrites` validates pushes as the engine does, queues single
-records in a :class:`~millpond.batching.PushBatcher` and hands every batch to
+records in a :class:`~millpond.remote.batcher.PushBatcher` and hands every batch to
 the backend's ``_send``; it also owns the handle's open/closed state. A
-backend (:class:`~millpond.remote.RemoteBuffer`,
-:class:`~millpond.sharded_buffer.ShardedBuffer`) provides ``_send`` (where a
+backend (:class:`~millpond.remote.buffer.RemoteBuffer`,
+:class:`~millpond.sharded.buffer.ShardedBuffer`) provides ``_send`` (where a
 batch goes) and ``delete``.
 """
 
@@ -15,14 +15,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .batching import PushBatcher
-from .core.checks import check_priorities, check_timeout
-from .core.config import BufferConfig
-from .core.episodes import EPISODE_COLUMN, with_episode_column
-from .core.episode_checks import check_push_episodes, check_updates
-from .core.schema import Schema
-from .errors import BufferClosedError, InvalidArgumentError
-from .grpc_transport import FRAMING_BYTES
+from millpond.remote.batcher import PushBatcher
+from millpond.core.checks import check_priorities, check_timeout
+from millpond.core.config import BufferConfig
+from millpond.core.episodes import EPISODE_COLUMN, with_episode_column
+from millpond.core.episode_checks import check_push_episodes, check_updates
+from millpond.core.schema import Schema
+from millpond.errors import BufferClosedError, InvalidArgumentError
+from millpond.remote.grpc_transport import FRAMING_BYTES
 
 
 class QueuedWrites:

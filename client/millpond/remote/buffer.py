@@ -2,11 +2,11 @@
 
 :class:`RemoteBuffer` has the methods of the engine's
 :class:`~millpond.core.TieredBuffer`, so the public handles
-(:mod:`millpond.handle`) wrap either one. Input is validated here with the
+(:mod:`millpond.handle.buffer`) wrap either one. Input is validated here with the
 same checks the engine uses (bad input fails before it costs a round trip,
 with the same exception), and again by the server, which trusts nothing.
 Bulk calls go through the connection's transport seam
-(:meth:`~millpond.transport.Connection.call`).
+(:meth:`~millpond.remote.connection.Connection.call`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from .core.checks import (
+from millpond.core.checks import (
     check_batch_size,
     check_count,
     check_indices,
@@ -23,9 +23,9 @@ from .core.checks import (
     check_seed,
     check_timeout,
 )
-from .core.config import BufferConfig, ConfigAccessors, check_exponent
-from .core.episodes import EPISODE_COLUMN
-from .core.episode_checks import (
+from millpond.core.config import BufferConfig, ConfigAccessors, check_exponent
+from millpond.core.episodes import EPISODE_COLUMN
+from millpond.core.episode_checks import (
     MAX_WINDOW,
     check_fields,
     check_filter,
@@ -33,22 +33,22 @@ from .core.episode_checks import (
     check_updates,
     require_episodes,
 )
-from .core.info import BufferInfo
-from .errors import BufferNotFoundError
-from .grpc_transport import FRAMING_BYTES
-from .queued_writes import QueuedWrites
+from millpond.core.info import BufferInfo
+from millpond.errors import BufferNotFoundError
+from millpond.remote.grpc_transport import FRAMING_BYTES
+from millpond.remote.writes import QueuedWrites
 
 if TYPE_CHECKING:
-    from .client import Client
-    from .push_window import PushWindow
-    from .transport import Connection
+    from millpond.client import Client
+    from millpond.remote.push_window import PushWindow
+    from millpond.remote.connection import Connection
 
 
 class RemoteBuffer(QueuedWrites, ConfigAccessors):
     """A handle on the server buffer ``name``. Picklable; safe after fork.
 
     Single-record ``push`` calls are batched on the client (see
-    :class:`~millpond.batching.PushBatcher`; ``connect(push_batch_size=,
+    :class:`~millpond.remote.batcher.PushBatcher`; ``connect(push_batch_size=,
     push_max_delay=)``): **a pushed record is acknowledged only when flushed**
     (by count, by age, by ``flush()``, ``close()`` or interpreter exit).
     Every other call on this handle flushes first, so it sees its own pushes.

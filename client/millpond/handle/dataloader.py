@@ -29,9 +29,9 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .core.checks import check_batch_size, check_count, check_seed
-from .devices import to_device
-from .errors import InvalidArgumentError, NotEnoughDataError
+from millpond.core.checks import check_batch_size, check_count, check_seed
+from millpond.handle.devices import to_device
+from millpond.errors import InvalidArgumentError, NotEnoughDataError
 
 MAX_N_STEPS = 1 << 16
 

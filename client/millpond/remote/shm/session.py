@@ -3,7 +3,7 @@
 A :class:`ShmSession` is one Unix-socket connection to the server's fast-path
 listener, served by one server thread: one request in flight at a time
 (threads of one client each use their own session, see
-:mod:`millpond.shm.transport`). Bulk data moves through segments:
+:mod:`millpond.remote.shm.transport`). Bulk data moves through segments:
 
 * one push segment, the client's own sealed memfd, grown on demand: a push
   is one copy of the caller's arrays into it, then one small message;
@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from ..core.schema import Schema
-from ..errors import DeadlineExceededError, ServerUnavailableError, SharedMemoryError
-from . import memfd, protocol
+from millpond.core.schema import Schema
+from millpond.errors import DeadlineExceededError, ServerUnavailableError, SharedMemoryError
+from millpond.remote.shm import memfd, protocol
 
 MIN_SEGMENT = 1 << 20
 MAX_RESULT_SEGMENTS = 16

@@ -5,7 +5,7 @@ Sample replies travel as bytes framed by :mod:`millpond.wire.frames`, which
 copies column data once instead of three times.
 
 Small pushes and samples go as messages on streams each thread keeps open
-(:mod:`millpond.grpc_streams`), with the same contract as the unary calls,
+(:mod:`millpond.remote.grpc_streams`), with the same contract as the unary calls,
 which every other call is.
 
 Every call waits for the server to be ready, within its deadline: gRPC's
@@ -17,7 +17,7 @@ again on a new stream. Nothing else is retried: a push whose connection broke
 may or may not have been stored, and the caller must know.
 
 Every call carries the client's metadata (``authorization: Bearer TOKEN``
-when it has a token, see :mod:`millpond.security`).
+when it has a token, see :mod:`millpond.remote.security`).
 """
 
 from __future__ import annotations
@@ -29,17 +29,17 @@ from typing import Any, Callable
 import grpc
 import numpy as np
 
-from .core.config import BufferConfig
-from .core.info import BufferInfo
-from .core.schema import Schema
-from .errors import DeadlineExceededError, MessageTooLargeError, ServerStartingError
-from .grpc_streams import ThreadStreams
-from .push_window import PushWindow
-from .v1 import replay_pb2 as pb
-from .v1 import replay_pb2_grpc as pb_grpc
-from .wire.codec import config_to_proto, info_from_proto
-from .wire.episodic import encode_meta, encode_updates
-from .wire.frames import (
+from millpond.core.config import BufferConfig
+from millpond.core.info import BufferInfo
+from millpond.core.schema import Schema
+from millpond.errors import DeadlineExceededError, MessageTooLargeError, ServerStartingError
+from millpond.remote.grpc_streams import ThreadStreams
+from millpond.remote.push_window import PushWindow
+from millpond.v1 import replay_pb2 as pb
+from millpond.v1 import replay_pb2_grpc as pb_grpc
+from millpond.wire.codec import config_to_proto, info_from_proto
+from millpond.wire.episodic import encode_meta, encode_updates
+from millpond.wire.frames import (
     PUSH_BATCH_FIELD,
     PUSH_UPDATES_FIELD,
     SAMPLE_BATCH_FIELD,
@@ -47,8 +47,8 @@ from .wire.frames import (
     encode_messages,
     encode_with_batch,
 )
-from .wire.inplace import sole_writable
-from .wire.status import error_from_rpc
+from millpond.wire.inplace import sole_writable
+from millpond.wire.status import error_from_rpc
 
 # Protobuf framing per column (name, dtype, shape, length prefixes) is tiny;
 # this margin keeps size checks honest without computing it exactly.
@@ -176,7 +176,7 @@ class GrpcTransport:
 
     def push_window(self, size: int) -> PushWindow:
         """A window of ``size`` pushes in flight on a stream of its own (see
-        :mod:`millpond.push_window`), for :meth:`push_batch`'s ``window``."""
+        :mod:`millpond.remote.push_window`), for :meth:`push_batch`'s ``window``."""
         return PushWindow(self._streams, self._push_stream, size)
 
     def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,

@@ -14,8 +14,8 @@ import fcntl
 import mmap
 import os
 
-from ..core.memory import available_memory
-from ..errors import InvalidArgumentError, SharedMemoryError
+from millpond.core.memory import available_memory
+from millpond.errors import InvalidArgumentError, SharedMemoryError
 
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import grpc
 
-from .errors import DeadlineExceededError, ServerUnavailableError
+from millpond.errors import DeadlineExceededError, ServerUnavailableError
 
 
 _ENDED = object()  # the stream ended without an error

@@ -1,8 +1,8 @@
 """The client's transport seam: one protocol, two implementations, one fallback policy.
 
 A :class:`Transport` carries the bulk calls of a buffer handle: gRPC
-(:class:`~millpond.grpc_transport.GrpcTransport`) or same-host shared memory
-(:class:`~millpond.shm.transport.ShmTransport`). A :class:`Connection` is one
+(:class:`~millpond.remote.grpc_transport.GrpcTransport`) or same-host shared memory
+(:class:`~millpond.remote.shm.transport.ShmTransport`). A :class:`Connection` is one
 process's channel to a server; :meth:`Connection.call` picks the transport
 for each call (see its docstring for the policy). Control calls (create,
 info, list, delete, negotiate) always go over gRPC (:attr:`Connection.grpc`).
@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .core.config import BufferConfig
-from .core.schema import Schema
-from .errors import (
+from millpond.core.config import BufferConfig
+from millpond.core.schema import Schema
+from millpond.errors import (
     AuthenticationError,
     DeadlineExceededError,
     PermissionDeniedError,
@@ -27,12 +27,12 @@ from .errors import (
     ServerUnavailableError,
     SharedMemoryError,
 )
-from .grpc_transport import GrpcTransport
-from .malloc import tune_malloc_for_large_messages
-from .security import Credentials
-from .shm.protocol import read_boot_id
-from .shm.session import ResultPoolExhausted
-from .shm.transport import ShmTransport
+from millpond.remote.grpc_transport import GrpcTransport
+from millpond.remote.malloc import tune_malloc_for_large_messages
+from millpond.remote.security import Credentials
+from millpond.remote.shm.protocol import read_boot_id
+from millpond.remote.shm.session import ResultPoolExhausted
+from millpond.remote.shm.transport import ShmTransport
 
 log = logging.getLogger("millpond.client")
 

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from .core.checks import is_integral
-from .core.episodes import END_FIELDS, check_meta, record_ends
-from .errors import InvalidArgumentError
+from millpond.core.checks import is_integral
+from millpond.core.episodes import END_FIELDS, check_meta, record_ends
+from millpond.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from .handle import Buffer
+    from millpond.handle.buffer import Buffer
 
 
 def new_episode_id() -> int:

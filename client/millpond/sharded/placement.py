@@ -1,4 +1,4 @@
-"""The arithmetic of a buffer spread over shards: no I/O here (see :mod:`millpond.sharded`).
+"""The arithmetic of a buffer spread over shards: no I/O here (see :mod:`millpond.sharded.client`).
 
 * **Capacities.** A buffer of ``total_capacity`` records over ``n`` shards
   gives shard ``i`` ``total_capacity // n`` records, plus one for each of the
@@ -25,10 +25,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .core.config import BufferConfig
-from .core.info import COUNTERS, BufferInfo, ShardInfo
-from .core.ratelimit import Queue
-from .errors import (
+from millpond.core.config import BufferConfig
+from millpond.core.info import COUNTERS, BufferInfo, ShardInfo
+from millpond.core.ratelimit import Queue
+from millpond.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     InvalidConfigError,

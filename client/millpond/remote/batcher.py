@@ -7,7 +7,7 @@ hands them to a ``send`` callable (e.g. a remote buffer's batch push) once
 :meth:`PushBatcher.close` / interpreter exit.
 
 The batcher's shared state, its slots, locks and thread are in
-:mod:`millpond.batch_state`; see the class docstring for the contract.
+:mod:`millpond.remote.batch_state`; see the class docstring for the contract.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from __future__ import annotations
 import weakref
 from typing import Any, Mapping
 
-from .batch_state import SendFn, _State, _stop_from_finalizer
-from .core.checks import is_integral, is_real
-from .core.schema import Schema
-from .errors import InvalidArgumentError
+from millpond.remote.batch_state import SendFn, _State, _stop_from_finalizer
+from millpond.core.checks import is_integral, is_real
+from millpond.core.schema import Schema
+from millpond.errors import InvalidArgumentError
 
 __all__ = ["PushBatcher", "SendFn"]
 

@@ -22,11 +22,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .client import connect
-from .core.dataset import RETURNS_TO_GO, ReadOnlyBuffer, dataset_columns, is_dataset_config
-from .errors import InvalidArgumentError, InvalidConfigError, ReadOnlyBufferError
-from .handle import Buffer
-from .progress import ProgressBar
+from millpond.client import connect
+from millpond.core.dataset import RETURNS_TO_GO, ReadOnlyBuffer, dataset_columns, is_dataset_config
+from millpond.errors import InvalidArgumentError, InvalidConfigError, ReadOnlyBufferError
+from millpond.handle.buffer import Buffer
+from millpond.offline.progress import ProgressBar
 
 MIN_STD = 1e-8  # rlox's floor on the observations' standard deviation
 READ_BYTES = 32 << 20  # bytes of observations per read while computing their statistics
@@ -183,7 +183,7 @@ class OfflineDatasetBuffer(Buffer):
                 out[key] = normalized
         if device is None:
             return out
-        from .devices import to_device
+        from millpond.handle.devices import to_device
 
         return to_device(out, device)
 

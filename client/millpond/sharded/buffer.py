@@ -1,6 +1,6 @@
-"""The backend of a buffer spread over shards (see :mod:`millpond.sharded`).
+"""The backend of a buffer spread over shards (see :mod:`millpond.sharded.client`).
 
-:class:`ShardedBuffer` has the methods of :class:`~millpond.remote.RemoteBuffer`
+:class:`ShardedBuffer` has the methods of :class:`~millpond.remote.buffer.RemoteBuffer`
 and composes one per shard, so the public handles wrap it unchanged.
 
 * **Writes** stick to the handle's shard (the client's handles take the
@@ -13,7 +13,7 @@ and composes one per shard, so the public handles wrap it unchanged.
   live shards' sizes (prioritized: their ``priority ** alpha`` mass), fetch
   them in parallel and concatenate them in shard order; prioritized weights
   are made global and ``indices`` carry their shard
-  (:mod:`millpond.sharding`). A queue or stack returns the oldest (newest)
+  (:mod:`millpond.sharded.placement`). A queue or stack returns the oldest (newest)
   records of the shard that holds the most.
 * **Rate limiters** stay per shard: each shard applies the buffer's limiter
   to its own inserts and samples.
@@ -27,19 +27,19 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
-from .core.checks import check_batch_size, check_indices, check_priorities, check_seed, check_timeout
-from .core.config import BufferConfig, ConfigAccessors, check_exponent
-from .core.episode_checks import check_filter
-from .core.info import BufferInfo, ShardInfo
-from .errors import (
+from millpond.core.checks import check_batch_size, check_indices, check_priorities, check_seed, check_timeout
+from millpond.core.config import BufferConfig, ConfigAccessors, check_exponent
+from millpond.core.episode_checks import check_filter
+from millpond.core.info import BufferInfo, ShardInfo
+from millpond.errors import (
     BufferNotFoundError,
     NotEnoughDataError,
     ServerUnavailableError,
 )
-from .queued_writes import QueuedWrites
-from .remote import RemoteBuffer
-from .sharded_reads import ShardedReads
-from .sharding import (
+from millpond.remote.writes import QueuedWrites
+from millpond.remote.buffer import RemoteBuffer
+from millpond.sharded.reads import ShardedReads
+from millpond.sharded.placement import (
     aggregate,
     cap,
     decode_indices,
@@ -53,7 +53,7 @@ from .sharding import (
 )
 
 if TYPE_CHECKING:
-    from .sharded import ShardedClient
+    from millpond.sharded.client import ShardedClient
 
 
 class ShardedBuffer(ShardedReads, QueuedWrites, ConfigAccessors):

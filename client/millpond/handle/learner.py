@@ -1,6 +1,6 @@
 """The handle's learner-side calls: records by position, all of them, epochs, reset, export.
 
-A mixin of :class:`millpond.handle.Buffer` (objectrl's access patterns), the
+A mixin of :class:`millpond.handle.buffer.Buffer` (objectrl's access patterns), the
 same on every backend. Positions index the buffer's *contents*: the records
 ``len(buf)`` counts, oldest first (0 = the oldest, ``len - 1`` the newest).
 The backend resolves positions to records under the buffer's lock, in the
@@ -8,7 +8,7 @@ call that reads them (the engine in-process, the server remotely), so a
 read never mixes two states of a buffer that pushes are changing.
 
 ``device=`` (a torch device: ``"cpu"``, ``"cuda:0"``...) returns
-``torch.Tensor`` s instead of numpy arrays (see :mod:`millpond.devices`).
+``torch.Tensor`` s instead of numpy arrays (see :mod:`millpond.handle.devices`).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .core.checks import check_batch_size, check_count, check_seed
-from .core.config import BufferConfig
-from .core.episode_checks import check_fields
-from .devices import check_device, to_device
-from .errors import InvalidArgumentError
-from .exporting import export, read_chunks
+from millpond.core.checks import check_batch_size, check_count, check_seed
+from millpond.core.config import BufferConfig
+from millpond.core.episode_checks import check_fields
+from millpond.handle.devices import check_device, to_device
+from millpond.errors import InvalidArgumentError
+from millpond.handle.export import export, read_chunks
 
 # One epoch_iterator covers at most this many epochs (a bound on one call, not a use).
 MAX_EPOCHS = 1 << 30
@@ -139,5 +139,5 @@ class LearnerMethods:
     def export(self, path: str | os.PathLike) -> str:
         """Write the records, oldest first, to the ``.npz`` at ``path`` (one array per
         field, ``episode_ids`` if episodic); return its path. See
-        :func:`millpond.exporting.export`."""
+        :func:`millpond.handle.export.export`."""
         return export(self, path)

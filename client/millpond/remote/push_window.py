@@ -34,9 +34,9 @@ from typing import Any
 
 import grpc
 
-from .errors import DeadlineExceededError, ServerStartingError, ServerUnavailableError
-from .grpc_streams import CallStream, StreamBroken, ThreadStreams
-from .wire.status import error_from_rpc
+from millpond.errors import DeadlineExceededError, ServerStartingError, ServerUnavailableError
+from millpond.remote.grpc_streams import CallStream, StreamBroken, ThreadStreams
+from millpond.wire.status import error_from_rpc
 
 # Sends again of the pushes of a stream that ended before serving them, in a row.
 MAX_RESENDS = 3

@@ -1,9 +1,9 @@
 """The handle's episodic calls: writing episodes and reading sequences, episodes, n-step.
 
-A mixin of :class:`millpond.handle.Buffer`: every buffer handle has these
+A mixin of :class:`millpond.handle.buffer.Buffer`: every buffer handle has these
 calls, and a buffer created without ``episodes=True`` answers them with
 InvalidArgumentError. The backend (in-process engine, remote buffer) does
-the work; the handle keeps, per thread, the :class:`~millpond.writing.EpisodeStream`
+the work; the handle keeps, per thread, the :class:`~millpond.handle.episode_writer.EpisodeStream`
 that says which episode the thread's next record belongs to.
 """
 
@@ -15,12 +15,12 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .core.config import BufferConfig
-from .core.episodes import check_meta, record_ends
-from .dataloader import EpisodeLoader
-from .devices import check_device, to_device
-from .errors import InvalidArgumentError
-from .writing import EpisodeStream, EpisodeWriter, record_ends_of
+from millpond.core.config import BufferConfig
+from millpond.core.episodes import check_meta, record_ends
+from millpond.handle.dataloader import EpisodeLoader
+from millpond.handle.devices import check_device, to_device
+from millpond.errors import InvalidArgumentError
+from millpond.handle.episode_writer import EpisodeStream, EpisodeWriter, record_ends_of
 
 
 class EpisodeMethods:
@@ -137,7 +137,7 @@ class EpisodeMethods:
         ``mask``, ``lens``, ``episode_ids``, ``start_steps`` and meta fields.
         Starts are drawn like :meth:`sample`'s records (by priority on a
         prioritized buffer, adding ``weights`` and ``indices``). ``device``: torch
-        tensors on it (see :mod:`millpond.devices`).
+        tensors on it (see :mod:`millpond.handle.devices`).
         """
         check_device(device)
         return to_device(self._backend.sample_sequences(
@@ -181,7 +181,7 @@ class EpisodeMethods:
                    device: Any = None) -> EpisodeLoader:
         """An iterable over the complete episodes at trajectory, timestep or n-step level,
         with memmap-replay-buffer's arguments and output names (see
-        :mod:`millpond.dataloader`)."""
+        :mod:`millpond.handle.dataloader`)."""
         self._require_episodes()
         return EpisodeLoader(self, batch_size, n_steps, fields, current_fields, next_fields,
                              sequence_fields, filter_meta, fieldname_map, return_mask,

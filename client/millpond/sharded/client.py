@@ -3,10 +3,10 @@
 ``millpond.connect(["host1:50051", "host2:50051"])`` or
 ``millpond.connect("dns:///NAME:PORT")`` (every address a name resolves to,
 e.g. a Kubernetes headless Service) returns a :class:`ShardedClient`. Its
-buffers (:class:`~millpond.sharded_buffer.ShardedBuffer` behind the usual
+buffers (:class:`~millpond.sharded.buffer.ShardedBuffer` behind the usual
 handles) span the shards: capacities are split, each writer sticks to one
 shard, samples are uniform (or prioritized) over the union. The arithmetic
-is in :mod:`millpond.sharding`.
+is in :mod:`millpond.sharded.placement`.
 
 Shard ``i`` is the ``i``-th address as given. ``dns:///`` is resolved once,
 when connecting, to every address of the name; where each address has a
@@ -36,23 +36,23 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .core.config import BufferConfig
-from .core.info import BufferInfo, ShardInfo
-from .errors import (
+from millpond.core.config import BufferConfig
+from millpond.core.info import BufferInfo, ShardInfo
+from millpond.errors import (
     BufferNotFoundError,
     ConfigMismatchError,
     InvalidConfigError,
     ReplayError,
     ServerUnavailableError,
 )
-from .handle import Buffer, handle_for
-from .making import BufferMaker
-from .sharded_buffer import ShardedBuffer
-from .shard_names import DNS_SCHEME, resolve
-from .sharding import aggregate, global_config, is_down, same_but_capacities, shard_configs
+from millpond.handle.buffer import Buffer, handle_for
+from millpond.making import BufferMaker
+from millpond.sharded.buffer import ShardedBuffer
+from millpond.sharded.names import DNS_SCHEME, resolve
+from millpond.sharded.placement import aggregate, global_config, is_down, same_but_capacities, shard_configs
 
 if TYPE_CHECKING:
-    from .client import Client
+    from millpond.client import Client
 
 PROBE_INTERVAL = 0.5  # seconds between health probes of a down shard
 PROBE_TIMEOUT = 1.0

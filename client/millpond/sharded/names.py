@@ -1,6 +1,6 @@
 """``dns:///NAME:PORT`` targets: the shard addresses a name stands for (no other I/O).
 
-See :func:`resolve`; :mod:`millpond.sharded` uses it when connecting.
+See :func:`resolve`; :mod:`millpond.sharded.client` uses it when connecting.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any, Sequence
 
-from .errors import InvalidConfigError, ServerUnavailableError
+from millpond.errors import InvalidConfigError, ServerUnavailableError
 
 DNS_SCHEME = "dns:///"
 NAME_TIMEOUT = 2.0  # seconds the reverse lookups of a target's addresses may take

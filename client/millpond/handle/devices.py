@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import InvalidArgumentError
+from millpond.errors import InvalidArgumentError
 
 
 def torch_module() -> Any:

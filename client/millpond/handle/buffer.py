@@ -3,7 +3,7 @@
 A :class:`Buffer` binds the reference's call signatures (positional
 transition arguments, ``action``/``reward`` aliases) to field names and
 delegates to its backend: the engine's :class:`~millpond.core.TieredBuffer`
-in-process, or a :class:`~millpond.remote.RemoteBuffer` on a server. Both
+in-process, or a :class:`~millpond.remote.buffer.RemoteBuffer` on a server. Both
 have the same methods, results and exceptions.
 """
 
@@ -12,13 +12,13 @@ from __future__ import annotations
 import functools
 from typing import Any, Mapping
 
-from .core.config import BufferConfig, ConfigAccessors
-from .core.info import BufferInfo
-from .devices import check_device, to_device
-from .episodic_handle import EpisodeMethods
-from .errors import FieldMismatchError
-from .learner import LearnerMethods
-from .sampler import Sampler
+from millpond.core.config import BufferConfig, ConfigAccessors
+from millpond.core.info import BufferInfo
+from millpond.handle.devices import check_device, to_device
+from millpond.handle.episodes import EpisodeMethods
+from millpond.errors import FieldMismatchError
+from millpond.handle.learner import LearnerMethods
+from millpond.handle.sampler import Sampler
 
 # The reference's positional order for push and push_batch of transitions,
 # and the argument names it uses for each field.
@@ -49,14 +49,14 @@ class Buffer(LearnerMethods, EpisodeMethods, ConfigAccessors):
         """The object this handle delegates to: in-process the engine's
         :class:`~millpond.core.TieredBuffer` (a read-only dataset for an in-process
         :class:`~millpond.OfflineDatasetBuffer`); on a server a
-        :class:`~millpond.remote.RemoteBuffer`; across shards a
-        :class:`~millpond.sharded_buffer.ShardedBuffer`. Same methods, results and errors."""
+        :class:`~millpond.remote.buffer.RemoteBuffer`; across shards a
+        :class:`~millpond.sharded.buffer.ShardedBuffer`. Same methods, results and errors."""
         return self._backend
 
     @property
     def client(self) -> Any:
         """The client this handle reaches its server through (a :class:`millpond.Client`,
-        or for shards a :class:`millpond.sharded.ShardedClient`); None in-process."""
+        or for shards a :class:`millpond.sharded.client.ShardedClient`); None in-process."""
         return getattr(self._backend, "_client", None)  # remote and sharded backends keep it
 
     @property
@@ -125,7 +125,7 @@ class Buffer(LearnerMethods, EpisodeMethods, ConfigAccessors):
         ``truncated`` of step t + n_step_lens - 1.
 
         ``device`` (a torch device, e.g. ``"cpu"``, ``"cuda"``): torch tensors on
-        it instead of numpy arrays (see :mod:`millpond.devices`).
+        it instead of numpy arrays (see :mod:`millpond.handle.devices`).
         """
         if device is not None:  # checked before the draw (a queue's sample removes)
             check_device(device)
@@ -167,7 +167,7 @@ class Buffer(LearnerMethods, EpisodeMethods, ConfigAccessors):
 
         With ``seed``, batch ``i`` equals ``sample(batch_size, seed + i)``.
         Endless unless ``max_batches`` is given; close it (or use ``with``)
-        when done. See :class:`millpond.sampler.Sampler`. ``device``,
+        when done. See :class:`millpond.handle.sampler.Sampler`. ``device``,
         ``n_step``, ``gamma``, ``filter_meta``: as for :meth:`sample` (the
         prefetching threads make the tensors).
         """

@@ -1,5 +1,5 @@
 """The episodic calls, reads and reset of a buffer spread over shards (mixed into
-:class:`~millpond.sharded_buffer.ShardedBuffer`).
+:class:`~millpond.sharded.buffer.ShardedBuffer`).
 
 Episodes never span shards: a handle writes every record, meta and end of
 its episodes to its own shard (:meth:`ShardedBuffer._send`), so each shard
@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
-from .core.config import BufferConfig
-from .core.info import BufferInfo
-from .core.checks import check_batch_size, check_count, check_indices, check_seed, check_timeout
-from .core.episode_checks import (
+from millpond.core.config import BufferConfig
+from millpond.core.info import BufferInfo
+from millpond.core.checks import check_batch_size, check_count, check_indices, check_seed, check_timeout
+from millpond.core.episode_checks import (
     MAX_WINDOW,
     check_fields,
     check_filter,
@@ -47,12 +47,12 @@ from .core.episode_checks import (
     check_updates,
     require_episodes,
 )
-from .errors import IndexOutOfRangeError, NotEnoughDataError
-from .sharding import decode_indices, encode_indices, raise_answered
+from millpond.errors import IndexOutOfRangeError, NotEnoughDataError
+from millpond.sharded.placement import decode_indices, encode_indices, raise_answered
 
 if TYPE_CHECKING:
-    from .remote import RemoteBuffer
-    from .sharded import ShardedClient
+    from millpond.remote.buffer import RemoteBuffer
+    from millpond.sharded.client import ShardedClient
 
 
 class ShardedReads:

@@ -13,9 +13,9 @@ from typing import Any, Callable, Protocol, cast
 
 import numpy as np
 
-from .core.buffer import check_batch_size, check_seed
-from .core.checks import is_integral
-from .errors import InvalidArgumentError
+from millpond.core.buffer import check_batch_size, check_seed
+from millpond.core.checks import is_integral
+from millpond.errors import InvalidArgumentError
 
 SampleFn = Callable[[int, "int | None"], dict[str, np.ndarray]]
 
