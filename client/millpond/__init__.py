@@ -25,7 +25,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     **dict.fromkeys(("MmapReplayBuffer", "PrioritizedReplayBuffer", "ReplayBuffer"), "api"),
     **dict.fromkeys(("Buffer", "PrioritizedBuffer"), "handle"),
-    **dict.fromkeys(("Client", "connect"), "client"),
+    "Client": "client",
+    "connect": "api",
     "OfflineDatasetBuffer": "offline",
     **dict.fromkeys(("BufferConfig", "BufferInfo", "Field", "Prioritized", "Schema"), "core"),
     **dict.fromkeys(("MinSize", "Queue", "RateLimiter", "SampleToInsertRatio"), "core.ratelimit"),
@@ -65,7 +66,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what static checkers and IDEs see
     from millpond.api import MmapReplayBuffer, PrioritizedReplayBuffer, ReplayBuffer  # noqa: F401
-    from millpond.client import Client, connect  # noqa: F401
+    from millpond.api import connect  # noqa: F401
+    from millpond.client import Client  # noqa: F401
     from millpond.core import BufferConfig, BufferInfo, Field, Prioritized, Schema  # noqa: F401
     from millpond.core.ratelimit import MinSize, Queue, RateLimiter, SampleToInsertRatio  # noqa: F401
     from millpond.errors import *  # noqa: F401,F403

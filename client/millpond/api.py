@@ -17,11 +17,86 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Sequence
 
-from millpond.client import connect
+from millpond.client import (
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_MESSAGE_MB,
+    DEFAULT_PUSH_BATCH_SIZE,
+    DEFAULT_PUSH_MAX_DELAY,
+    DEFAULT_TIMEOUT,
+    Client,
+)
+from millpond.sharded.client import ShardedClient
 from millpond.core import BufferConfig, Schema, TieredBuffer
 from millpond.core.ratelimit import RateLimiter
 from millpond.errors import ConfigMismatchError, InvalidConfigError
 from millpond.handle.buffer import Buffer, PrioritizedBuffer
+
+
+def connect(
+    address: str | Sequence[str],
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
+    shm: bool | str = "auto",
+    push_batch_size: int = DEFAULT_PUSH_BATCH_SIZE,
+    push_max_delay: float | None = DEFAULT_PUSH_MAX_DELAY,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    token: str | None = None,
+    tls: bool | None = None,
+    tls_ca: str | os.PathLike | None = None,
+    tls_cert: str | os.PathLike | None = None,
+    tls_key: str | os.PathLike | None = None,
+) -> "Client | ShardedClient":
+    """A client for the server at ``address`` ("host:port"). Connects lazily.
+
+    A list of addresses, or ``"dns:///NAME:PORT"`` (every address NAME
+    resolves to, e.g. a Kubernetes headless Service), gives a
+    :class:`~millpond.sharded.client.ShardedClient`: the servers act as one buffer
+    (see :mod:`millpond.sharded.client`), each with these settings.
+
+    ``timeout``: the deadline of every call, in seconds. A push or sample
+    may also wait for the buffer's rate limiter: up to its own ``timeout=``
+    argument (default: this one), with this deadline on top.
+
+    ``shm``: "auto" (default) moves bulk data through shared memory when the
+    server is on this host and admits this user, else silently over gRPC;
+    True requires the fast path (raises if it cannot be had); False never
+    uses it. ``client.transport`` says which one is in use.
+
+    ``push_batch_size`` / ``push_max_delay``: single-record ``push`` calls are
+    sent in batches of this many records, or once the oldest waited this many
+    seconds (None: only by count and ``flush()``); 1 sends every push at once.
+    Queued records are acknowledged only when flushed.
+
+    ``max_in_flight``: pushes (``push_batch`` calls, and batches of queued
+    ``push`` calls) each handle may have sent and not yet had acknowledged.
+    1 (default): a push returns once the server has stored it. N > 1 over gRPC
+    (Reverb's ``max_in_flight_items``): a push returns once sent, the server
+    stores a handle's pushes in the order sent, and an actor keeps the server
+    busy instead of waiting a round trip per push. ``flush()`` waits for every
+    acknowledgement; a failed push is raised by the handle's next call (every
+    other call flushes first, so it sees the handle's pushes) or ``flush()``.
+    Over shared memory, and for sharded buffers, pushes are acknowledged one
+    by one whatever this says.
+
+    ``token``: sent with every call (``authorization: Bearer TOKEN``) to a
+    server that requires one; default ``MILLPOND_TOKEN``. ``tls=True``
+    speaks TLS, verifying the server with the system's roots or the PEM file
+    ``tls_ca``; ``tls_cert`` and ``tls_key`` add a client certificate. Their
+    defaults are ``MILLPOND_TLS_CA``, ``MILLPOND_TLS_CERT`` and
+    ``MILLPOND_TLS_KEY``, any of which turns TLS on (see
+    :mod:`millpond.remote.security`). A missing or wrong token raises
+    AuthenticationError; a token whose role may not do a call,
+    PermissionDeniedError.
+    """
+    settings: dict[str, Any] = dict(
+        timeout=timeout, max_message_mb=max_message_mb, shm=shm, push_batch_size=push_batch_size,
+        push_max_delay=push_max_delay, max_in_flight=max_in_flight, token=token, tls=tls,
+        tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+    if not isinstance(address, str) or address.startswith("dns:///"):
+        return ShardedClient(address, **settings)
+    return Client(address, **settings)
+
 
 
 def _backend(config: BufferConfig, address: str | Sequence[str] | None, name: str | None,

@@ -1,4 +1,4 @@
-"""Connecting to a millpond server.
+"""A connection to one millpond server: :class:`Client` (``millpond.connect`` makes one).
 
     client = millpond.connect("localhost:50051")
     buf = client.create_buffer("cartpole", capacity=100_000, obs_dim=4, act_dim=1)
@@ -24,20 +24,18 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Mapping
 
 from millpond.core.checks import is_real
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo
+from millpond.core.ratelimit import RateLimiter
+from millpond.core.schema import Schema
 from millpond.errors import InvalidConfigError
 from millpond.handle.buffer import Buffer, handle_for
-from millpond.making import BufferMaker
 from millpond.remote.buffer import RemoteBuffer
 from millpond.remote.security import Credentials
 from millpond.remote.connection import Connection
-
-if TYPE_CHECKING:
-    from millpond.sharded.client import ShardedClient
 
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_MESSAGE_MB = 512
@@ -51,75 +49,60 @@ KEEPALIVE_TIMEOUT_MS = 5_000
 _INHERITED: list = []
 
 
-def connect(
-    address: str | Sequence[str],
-    *,
-    timeout: float = DEFAULT_TIMEOUT,
-    max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
-    shm: bool | str = "auto",
-    push_batch_size: int = DEFAULT_PUSH_BATCH_SIZE,
-    push_max_delay: float | None = DEFAULT_PUSH_MAX_DELAY,
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-    token: str | None = None,
-    tls: bool | None = None,
-    tls_ca: str | os.PathLike | None = None,
-    tls_cert: str | os.PathLike | None = None,
-    tls_key: str | os.PathLike | None = None,
-) -> "Client | ShardedClient":
-    """A client for the server at ``address`` ("host:port"). Connects lazily.
+class BufferClient:
+    """What every client does with buffers, one server or shards: :meth:`create_buffer`
+    turns the user-facing arguments into a config and wraps the backend that the
+    client's :meth:`remote_buffer` gives in its handle."""
 
-    A list of addresses, or ``"dns:///NAME:PORT"`` (every address NAME
-    resolves to, e.g. a Kubernetes headless Service), gives a
-    :class:`~millpond.sharded.client.ShardedClient`: the servers act as one buffer
-    (see :mod:`millpond.sharded.client`), each with these settings.
+    def remote_buffer(self, name: str, config: BufferConfig) -> Any:
+        raise NotImplementedError
 
-    ``timeout``: the deadline of every call, in seconds. A push or sample
-    may also wait for the buffer's rate limiter: up to its own ``timeout=``
-    argument (default: this one), with this deadline on top.
+    def create_buffer(
+        self,
+        name: str,
+        capacity: int | None = None,
+        obs_dim: int | None = None,
+        act_dim: int | None = None,
+        *,
+        hot_capacity: int | None = None,
+        total_capacity: int | None = None,
+        fields: Mapping[str, Any] | Schema | None = None,
+        prioritized: bool = False,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        mode: str = "replay",
+        max_times_sampled: int | None = None,
+        rate_limiter: RateLimiter | None = None,
+        episodes: bool = False,
+        meta_fields: Mapping[str, Any] | None = None,
+    ) -> Buffer:
+        """Create the buffer ``name``, or attach to it if it exists with this config.
 
-    ``shm``: "auto" (default) moves bulk data through shared memory when the
-    server is on this host and admits this user, else silently over gRPC;
-    True requires the fast path (raises if it cannot be had); False never
-    uses it. ``client.transport`` says which one is in use.
+        Arguments are those of the in-process classes (see
+        :meth:`millpond.BufferConfig.build`): ``capacity`` (RAM only, like
+        ``ReplayBuffer``) or ``hot_capacity`` + ``total_capacity`` (like
+        ``MmapReplayBuffer``), and ``obs_dim``/``act_dim`` or ``fields``.
+        ``prioritized=True`` makes a proportional prioritized buffer with
+        ``alpha`` and ``beta`` (see :class:`millpond.PrioritizedReplayBuffer`).
+        ``mode``, ``max_times_sampled``, ``rate_limiter``, ``episodes`` and
+        ``meta_fields``: see :class:`millpond.ReplayBuffer`. An existing buffer with another config
+        raises ConfigMismatchError.
 
-    ``push_batch_size`` / ``push_max_delay``: single-record ``push`` calls are
-    sent in batches of this many records, or once the oldest waited this many
-    seconds (None: only by count and ``flush()``); 1 sends every push at once.
-    Queued records are acknowledged only when flushed.
-
-    ``max_in_flight``: pushes (``push_batch`` calls, and batches of queued
-    ``push`` calls) each handle may have sent and not yet had acknowledged.
-    1 (default): a push returns once the server has stored it. N > 1 over gRPC
-    (Reverb's ``max_in_flight_items``): a push returns once sent, the server
-    stores a handle's pushes in the order sent, and an actor keeps the server
-    busy instead of waiting a round trip per push. ``flush()`` waits for every
-    acknowledgement; a failed push is raised by the handle's next call (every
-    other call flushes first, so it sees the handle's pushes) or ``flush()``.
-    Over shared memory, and for sharded buffers, pushes are acknowledged one
-    by one whatever this says.
-
-    ``token``: sent with every call (``authorization: Bearer TOKEN``) to a
-    server that requires one; default ``MILLPOND_TOKEN``. ``tls=True``
-    speaks TLS, verifying the server with the system's roots or the PEM file
-    ``tls_ca``; ``tls_cert`` and ``tls_key`` add a client certificate. Their
-    defaults are ``MILLPOND_TLS_CA``, ``MILLPOND_TLS_CERT`` and
-    ``MILLPOND_TLS_KEY``, any of which turns TLS on (see
-    :mod:`millpond.remote.security`). A missing or wrong token raises
-    AuthenticationError; a token whose role may not do a call,
-    PermissionDeniedError.
-    """
-    settings: dict[str, Any] = dict(
-        timeout=timeout, max_message_mb=max_message_mb, shm=shm, push_batch_size=push_batch_size,
-        push_max_delay=push_max_delay, max_in_flight=max_in_flight, token=token, tls=tls,
-        tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
-    if not isinstance(address, str) or address.startswith("dns:///"):
-        from millpond.sharded.client import ShardedClient
-
-        return ShardedClient(address, Client, **settings)
-    return Client(address, **settings)
+        The handle's ``close()`` deletes the buffer if this call created it;
+        if it attached, ``close()`` only releases the handle. A sharded
+        client splits the capacities over its shards (see
+        :meth:`millpond.sharded.client.ShardedClient.remote_buffer`).
+        """
+        config = BufferConfig.build(
+            capacity=capacity, hot_capacity=hot_capacity, total_capacity=total_capacity,
+            obs_dim=obs_dim, act_dim=act_dim, fields=fields, mode=mode,
+            max_times_sampled=max_times_sampled, rate_limiter=rate_limiter,
+            prioritized=prioritized, alpha=alpha, beta=beta, episodes=episodes,
+            meta_fields=meta_fields)
+        return handle_for(self.remote_buffer(name, config))
 
 
-class Client(BufferMaker):
+class Client(BufferClient):
     """A connection to one millpond server; see :func:`connect`."""
 
     def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT,

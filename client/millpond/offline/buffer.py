@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from millpond.client import connect
+from millpond.api import connect
 from millpond.core.dataset import RETURNS_TO_GO, ReadOnlyBuffer, dataset_columns, is_dataset_config
 from millpond.errors import InvalidArgumentError, InvalidConfigError, ReadOnlyBufferError
 from millpond.handle.buffer import Buffer

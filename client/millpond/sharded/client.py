@@ -31,7 +31,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -45,14 +45,11 @@ from millpond.errors import (
     ReplayError,
     ServerUnavailableError,
 )
+from millpond.client import BufferClient, Client
 from millpond.handle.buffer import Buffer, handle_for
-from millpond.making import BufferMaker
 from millpond.sharded.buffer import ShardedBuffer
 from millpond.sharded.names import DNS_SCHEME, resolve
 from millpond.sharded.placement import aggregate, global_config, is_down, same_but_capacities, shard_configs
-
-if TYPE_CHECKING:
-    from millpond.client import Client
 
 PROBE_INTERVAL = 0.5  # seconds between health probes of a down shard
 PROBE_TIMEOUT = 1.0
@@ -60,17 +57,16 @@ T = TypeVar("T")
 K = TypeVar("K")
 
 
-class ShardedClient(BufferMaker):
+class ShardedClient(BufferClient):
     """One buffer namespace over several servers; see the module docstring and
     :func:`millpond.connect` (whose settings every shard's client gets).
 
-    ``client_class`` builds each shard's client (:class:`millpond.Client`).
-    Pickles as its addresses and settings, like a :class:`~millpond.Client`;
-    each process picks its own first shard at random.
+    Each shard has its :class:`millpond.Client`. Pickles as its addresses and
+    settings, like a :class:`~millpond.Client`; each process picks its own first
+    shard at random.
     """
 
-    def __init__(self, target: str | Sequence[str], client_class: Callable[..., "Client"],
-                 **settings: Any):
+    def __init__(self, target: str | Sequence[str], **settings: Any):
         if isinstance(target, str):
             if not target.startswith(DNS_SCHEME):
                 raise InvalidConfigError(f"a sharded target is a list of addresses or "
@@ -87,12 +83,11 @@ class ShardedClient(BufferMaker):
                 raise InvalidConfigError(f"shard addresses repeat: {addresses}")
         self.target = target if isinstance(target, str) else None
         self.addresses = tuple(addresses)
-        self.clients = [client_class(address, **settings) for address in addresses]
+        self.clients = [Client(address, **settings) for address in addresses]
         self.timeout = self.clients[0].timeout
         self.push_batch_size = self.clients[0].push_batch_size
         self.push_max_delay = self.clients[0].push_max_delay
         self.max_message_bytes = self.clients[0].max_message_bytes
-        self._client_class = client_class
         self._settings = self.clients[0].__reduce__()[1][1]  # credentials resolved once
         self._lock = threading.Lock()
         self._pid = -1
@@ -103,7 +98,7 @@ class ShardedClient(BufferMaker):
         self._probe_channels: dict[int, grpc.Channel] = {}
 
     def __reduce__(self) -> tuple[Any, tuple]:
-        return (_rebuild, (list(self.addresses), self._client_class, self._settings))
+        return (_rebuild, (list(self.addresses), self._settings))
 
     @property
     def shards(self) -> int:
@@ -342,6 +337,5 @@ def _raise_first(errors: Mapping[int, BaseException]) -> None:
         raise exc
 
 
-def _rebuild(addresses: list[str], client_class: Callable[..., "Client"],
-             settings: dict[str, Any]) -> ShardedClient:
-    return ShardedClient(addresses, client_class, **settings)
+def _rebuild(addresses: list[str], settings: dict[str, Any]) -> ShardedClient:
+    return ShardedClient(addresses, **settings)
