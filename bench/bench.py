@@ -24,8 +24,8 @@ bench_contention.py (a learner's latency while an actor pushes).
 from __future__ import annotations
 
 import argparse
-import shutil
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -38,8 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import millpond  # noqa: E402
-from millpond.core import BufferConfig, Prioritized, Schema, TieredBuffer  # noqa: E402
+import larger_than_memory  # noqa: E402
 from bench_contention import section as contention_section  # noqa: E402
 from bench_episodes import section as episodes_section  # noqa: E402
 from bench_learner import section as learner_section  # noqa: E402
@@ -47,7 +46,8 @@ from bench_sharded import sharded_section  # noqa: E402
 from grpc_limits import call_rate, grpc_limits_section  # noqa: E402
 from support import ServerProcess  # noqa: E402
 
-import larger_than_memory  # noqa: E402
+import millpond  # noqa: E402
+from millpond.core import BufferConfig, Prioritized, Schema, TieredBuffer  # noqa: E402
 
 SAMPLE_BATCH = 256
 CALLERS = 4  # concurrent callers (threads) for the "grpc xN" rows

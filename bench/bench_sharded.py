@@ -16,9 +16,9 @@ import threading
 from pathlib import Path
 
 import numpy as np
+from support import ServerProcess
 
 import millpond
-from support import ServerProcess
 
 SHARDS = (1, 2, 3)
 

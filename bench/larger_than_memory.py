@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+from support import MemoryCgroup, ServerProcess
 
 import millpond
 from millpond.core.bufferfile import BufferFile
-from support import MemoryCgroup, ServerProcess
 
 FRAME = (84, 84, 4)
 FIELDS = {"obs": ("uint8", FRAME), "next_obs": ("uint8", FRAME), "actions": ("int64", ()),

@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gymnasium as gym  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _server import millpond_server  # noqa: E402
 from torch import nn  # noqa: E402
 
 import millpond  # noqa: E402
-from _server import millpond_server  # noqa: E402
 
 N_STEP, GAMMA = 3, 0.99
 

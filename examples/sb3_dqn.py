@@ -22,11 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gymnasium as gym  # noqa: E402
 import torch  # noqa: E402
+from _server import millpond_server  # noqa: E402
 from stable_baselines3 import DQN  # noqa: E402
 from stable_baselines3.common.evaluation import evaluate_policy  # noqa: E402
 from stable_baselines3.common.monitor import Monitor  # noqa: E402
 
-from _server import millpond_server  # noqa: E402
 from millpond.integrations.sb3 import ReplayBuffer  # noqa: E402
 
 

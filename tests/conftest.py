@@ -4,7 +4,6 @@ import subprocess
 import tempfile
 
 import pytest
-
 import support
 from support import ServerProcess, start_all
 

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import ServerProcess, without_stats
 
 import millpond
 from millpond.core import BufferConfig
@@ -22,7 +23,6 @@ from millpond.remote.shm import protocol
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc as pb_grpc
 from millpond.wire.codec import encode_batch
-from support import ServerProcess, without_stats
 
 T = 10.0  # seconds: the deadline of every call here
 ROLES = ("admin", "actor", "learner", "read")

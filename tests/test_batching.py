@@ -15,8 +15,8 @@ import threading
 
 import numpy as np
 import pytest
+from support import engine, wait_until
 
-from millpond.remote.batcher import PushBatcher
 from millpond.core import Schema
 from millpond.errors import (
     BufferClosedError,
@@ -26,7 +26,7 @@ from millpond.errors import (
     ServerUnavailableError,
     ShapeMismatchError,
 )
-from support import engine, wait_until
+from millpond.remote.batcher import PushBatcher
 
 DEADLINE = 10.0
 THREAD_NAME = "millpond-push-batcher"
@@ -442,7 +442,7 @@ def test_atexit_flushes_live_batchers(tmp_path):
 def test_finalizer_run_in_a_thread_holding_the_lock_still_stops_the_thread(sink):
     # Garbage collection may run the finalizer inside the batcher's own
     # thread while it holds the lock; the stop must not be lost or deadlock.
-    from millpond.remote.batch_state import _stop_from_finalizer
+    from millpond.remote.batcher import _stop_from_finalizer
 
     b = PushBatcher(SCHEMA, sink, max_records=10, max_delay=60)
     b.add(rec(0))

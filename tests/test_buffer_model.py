@@ -35,10 +35,10 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from support import engine, without_stats
 
 import millpond
 from millpond.core import Schema, TieredBuffer
-from support import engine, without_stats
 
 FIELDS = {
     "id": ("float64", ()),

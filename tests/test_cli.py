@@ -14,12 +14,12 @@ from pathlib import Path, PurePosixPath
 import grpc
 import numpy as np
 import pytest
+from support import ServerProcess, wait_for_ready
 
 import millpond
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc
 from millpond.wire.codec import encode_batch
-from support import ServerProcess, wait_for_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"

@@ -12,10 +12,10 @@ import time
 
 import numpy as np
 import pytest
-
-import millpond
 from support import ServerProcess, wait_until
 from test_contract import transitions
+
+import millpond
 
 
 def test_connect_create_attach_and_list(shared_server):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import millpond
-from millpond.core.bufferfile import FORMAT_VERSION, MAGIC, BufferFile as ColdFile
+from millpond.core.bufferfile import FORMAT_VERSION, MAGIC
+from millpond.core.bufferfile import BufferFile as ColdFile
 
 PAGE = mmap.PAGESIZE
 FIELDS = {"id": ("float64", ()), "frame": ("uint8", (5, 7)), "a": ("int32", (3,))}

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support import engine
 
 from millpond.core import Schema, TieredBuffer
-from support import engine
 
 SCHEMA = Schema.from_spec({"frame": ("uint8", (40, 40, 3)), "id": ("int64", ())})  # 4,800 B
 

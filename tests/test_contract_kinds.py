@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 import pytest
+from support import run_everywhere
 
 import millpond
-from support import run_everywhere
 
 FIELDS = {"id": ("int64", ()), "obs": ("float32", (3,))}
 KINDS = {

@@ -9,10 +9,10 @@ import sys
 
 import numpy as np
 import pytest
+from support import ServerProcess
 
 import millpond
 from millpond import datasets
-from support import ServerProcess
 
 pytestmark = pytest.mark.daemon
 

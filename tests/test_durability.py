@@ -18,11 +18,11 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import ServerProcess, engine
+from test_contract import transitions
 
 import millpond
 from millpond.core import BufferConfig, Schema, TieredBuffer
-from support import ServerProcess, engine
-from test_contract import transitions
 
 # Records that carry their own identity and checksum, so a crash test can tell
 # a record that is present, missing, duplicated or torn.

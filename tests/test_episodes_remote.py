@@ -17,9 +17,9 @@ import threading
 
 import numpy as np
 import pytest
+from support import ServerProcess, run_everywhere
 
 import millpond
-from support import ServerProcess, run_everywhere
 
 pytestmark = pytest.mark.daemon
 

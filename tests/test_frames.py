@@ -15,9 +15,9 @@ from millpond.wire.codec import decode_batch, encode_batch
 from millpond.wire.frames import (
     PUSH_BATCH_FIELD,
     PUSH_PRIORITIES_FIELD,
-    decode_doubles,
     SAMPLE_BATCH_FIELD,
     decode_batch_field,
+    decode_doubles,
     decode_name,
     encode_with_batch,
     encoded_batch_nbytes,

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import ServerProcess, wait_until
 
 import millpond
 from millpond.remote.shm import memfd, protocol
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc as pb_grpc
 from millpond.wire.frames import PUSH_BATCH_FIELD, encode_with_batch
-from support import ServerProcess, wait_until
 
 pytestmark = pytest.mark.daemon
 

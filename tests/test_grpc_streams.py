@@ -17,10 +17,10 @@ import threading
 import time
 
 import pytest
-
-import millpond
 from support import ServerProcess, wait_until
 from test_contract import transitions
+
+import millpond
 
 pytestmark = pytest.mark.daemon
 

@@ -14,6 +14,8 @@ import time
 import grpc
 import numpy as np
 import pytest
+from support import ServerProcess, wait_for_ready, wait_until
+from test_contract import transitions
 
 import millpond
 from millpond.core import BufferConfig, Schema
@@ -22,8 +24,6 @@ from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc as pb_grpc
 from millpond.wire.codec import config_to_proto
 from millpond.wire.status import ERROR_CODE_KEY
-from support import ServerProcess, wait_for_ready, wait_until
-from test_contract import transitions
 
 SCHEMA = Schema.transition(2, 1)
 

@@ -12,7 +12,6 @@ import itertools
 
 import numpy as np
 import pytest
-
 from support import ServerProcess
 
 pytestmark = pytest.mark.usefixtures("private_tmpdir")  # SB3 logs go there

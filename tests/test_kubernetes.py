@@ -16,10 +16,10 @@ import grpc
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_cli import DOCKERFILE, dockerfile_image_config
 
 from millpond_server.cli import build_parser
 from millpond_server.config import SERVE_OPTIONS, TOKEN_ENV, resolve_serve_config
-from test_cli import DOCKERFILE, dockerfile_image_config
 
 pytestmark = pytest.mark.docker
 

@@ -12,10 +12,10 @@ import signal
 
 import numpy as np
 import pytest
+from support import MemoryCgroup, ServerProcess
 
 import millpond
 from millpond.core import TieredBuffer
-from support import MemoryCgroup, ServerProcess
 
 pytestmark = pytest.mark.daemon
 

@@ -16,12 +16,12 @@ import threading
 
 import numpy as np
 import pytest
+import test_contract_kinds as kinds
+from support import ServerProcess, wait_for_ready, without_stats
+from test_contract_kinds import FIELDS, TRANSPORTS, records
 
 import millpond
 from millpond.handle.export import export
-from support import ServerProcess, wait_for_ready, without_stats
-import test_contract_kinds as kinds
-from test_contract_kinds import FIELDS, TRANSPORTS, records
 
 three = kinds.three  # the fixture: three(kind) -> {transport: buffer}
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import ServerProcess
 
 import millpond
-from support import ServerProcess
 
 pytestmark = pytest.mark.daemon
 

@@ -7,13 +7,12 @@ import struct
 
 import numpy as np
 import pytest
+from support import ServerProcess, engine
 
 import millpond
-from millpond.core import TieredBuffer
-from millpond.core import bufferfile
+from millpond.core import TieredBuffer, bufferfile
 from millpond.core.bufferfile import BufferFile
 from millpond.core.sumtree import SumTree
-from support import ServerProcess, engine
 
 
 def tiered(tmp_path, alpha=1.0, beta=1.0, hot=5, total=20):

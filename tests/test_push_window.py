@@ -15,10 +15,10 @@ import textwrap
 
 import numpy as np
 import pytest
-
-import millpond
 from support import ServerProcess, wait_until
 from test_contract import transitions
+
+import millpond
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from support import engine, wait_until
 
 import millpond
 from millpond.core import Schema, TieredBuffer
@@ -22,7 +23,6 @@ from millpond.errors import (
     InvalidConfigError,
     RateLimitTimeoutError,
 )
-from support import engine, wait_until
 
 SCHEMA = Schema.from_spec({"id": ("int64", ())})
 

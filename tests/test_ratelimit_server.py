@@ -16,13 +16,13 @@ import time
 import grpc
 import numpy as np
 import pytest
+from support import ServerProcess, wait_until
 
 import millpond
 from millpond.errors import ConfigMismatchError, RateLimitTimeoutError
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc as pb_grpc
 from millpond.wire.status import ERROR_CODE_KEY
-from support import ServerProcess, wait_until
 
 pytestmark = pytest.mark.daemon
 

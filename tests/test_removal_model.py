@@ -24,10 +24,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from support import engine
 
 from millpond.core import Schema, TieredBuffer
 from millpond.errors import InvalidArgumentError, NotEnoughDataError, RateLimitTimeoutError
-from support import engine
 
 SCHEMA = Schema.from_spec({"id": ("int64", ()), "twice": ("float32", (2,))})
 

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from support import engine, wait_until
 
 import millpond
 from millpond.core import Schema
@@ -22,7 +23,6 @@ from millpond.errors import (
     NotEnoughDataError,
 )
 from millpond.handle.sampler import THREAD_NAME, Sampler
-from support import engine, wait_until
 
 DEADLINE = 10.0
 SCHEMA = Schema.transition(4, 1)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support import without_stats
 
 import millpond
-from support import without_stats
 
 ATARI = {"obs": ("uint8", (84, 84, 4)), "action": ("int64", ()), "reward": ("float32", ())}
 SMALL = {"x": ("float32", (3,)), "n": ("int16", ()), "u": ("uint8", ()), "flag": ("bool", ())}

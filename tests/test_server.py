@@ -11,14 +11,13 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import ServerProcess
 
-from millpond.core import Schema
+from millpond.core import BufferConfig, Schema
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc
-from millpond.core import BufferConfig
 from millpond.wire.codec import config_to_proto, decode_batch, encode_batch
 from millpond.wire.status import ERROR_CODE_KEY
-from support import ServerProcess
 
 pytestmark = pytest.mark.daemon
 

@@ -12,13 +12,13 @@ import socket
 
 import numpy as np
 import pytest
+from support import ServerProcess, start_all, wait_until
 
 import millpond
 from millpond.core import TieredBuffer
-from millpond.sharded.names import _natural, resolve, stable_names
 from millpond.sharded.client import ShardedClient
+from millpond.sharded.names import _natural, resolve, stable_names
 from millpond.sharded.placement import SHARD_SHIFT, decode_indices, encode_indices, shard_configs, split
-from support import ServerProcess, start_all, wait_until
 
 FIELDS = {"id": ("int64", ())}
 _names = itertools.count()

@@ -7,9 +7,9 @@ import itertools
 
 import numpy as np
 import pytest
+from support import ServerProcess, start_all
 
 import millpond
-from support import ServerProcess, start_all
 
 pytestmark = pytest.mark.daemon
 

@@ -14,13 +14,13 @@ import textwrap
 import grpc
 import numpy as np
 import pytest
+from support import ServerProcess, wait_until
+from test_contract import transitions
 
 import millpond
 from millpond.remote.shm import memfd, protocol
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc as pb_grpc
-from support import ServerProcess, wait_until
-from test_contract import transitions
 
 NOBODY = 65534
 

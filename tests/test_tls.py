@@ -15,12 +15,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from support import ServerProcess
 
 import millpond
 from millpond.remote.shm import protocol
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc as pb_grpc
-from support import ServerProcess
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 

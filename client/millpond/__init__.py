@@ -65,12 +65,16 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what static checkers and IDEs see
-    from millpond.api import MmapReplayBuffer, PrioritizedReplayBuffer, ReplayBuffer  # noqa: F401
-    from millpond.api import connect  # noqa: F401
+    from millpond import datasets  # noqa: F401
+    from millpond.api import (  # noqa: F401
+        MmapReplayBuffer,
+        PrioritizedReplayBuffer,
+        ReplayBuffer,
+        connect,  # noqa: F401
+    )
     from millpond.client import Client  # noqa: F401
     from millpond.core import BufferConfig, BufferInfo, Field, Prioritized, Schema  # noqa: F401
     from millpond.core.ratelimit import MinSize, Queue, RateLimiter, SampleToInsertRatio  # noqa: F401
     from millpond.errors import *  # noqa: F401,F403
     from millpond.handle.buffer import Buffer, PrioritizedBuffer  # noqa: F401
     from millpond.offline.buffer import OfflineDatasetBuffer  # noqa: F401
-    from millpond import datasets  # noqa: F401

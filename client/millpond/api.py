@@ -25,11 +25,11 @@ from millpond.client import (
     DEFAULT_TIMEOUT,
     Client,
 )
-from millpond.sharded.client import ShardedClient
 from millpond.core import BufferConfig, Schema, TieredBuffer
 from millpond.core.ratelimit import RateLimiter
 from millpond.errors import ConfigMismatchError, InvalidConfigError
 from millpond.handle.buffer import Buffer, PrioritizedBuffer
+from millpond.sharded.client import ShardedClient
 
 
 def connect(

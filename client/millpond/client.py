@@ -34,8 +34,8 @@ from millpond.core.schema import Schema
 from millpond.errors import InvalidConfigError
 from millpond.handle.buffer import Buffer, handle_for
 from millpond.remote.buffer import RemoteBuffer
-from millpond.remote.security import Credentials
 from millpond.remote.connection import Connection
+from millpond.remote.security import Credentials
 
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_MESSAGE_MB = 512

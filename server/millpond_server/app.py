@@ -20,13 +20,13 @@ from millpond.remote.malloc import tune_malloc_for_large_messages
 
 from .auth import load_auth, server_credentials
 from .config import ServeConfig
-from .shm_listener import FastPathServer
 from .fatal import fatal_storage_error
 from .metrics import start_metrics
 from .observe import ObservingInterceptor
 from .operations import Operations
 from .registry import Registry
 from .service import SERVICE_NAME, ReplayService, add_to_server
+from .shm_listener import FastPathServer
 
 log = logging.getLogger("millpond.server")
 

@@ -28,8 +28,8 @@ import numpy as np
 
 from millpond.core import TieredBuffer
 from millpond.core.checks import check_batch_size, check_count, check_seed, check_timeout
-from millpond.core.episodes import with_episode_column
 from millpond.core.episode_checks import MAX_WINDOW, check_fields, check_n_step
+from millpond.core.episodes import with_episode_column
 from millpond.core.sequences import n_step_specs, read_specs, sequence_specs
 from millpond.errors import (
     InvalidArgumentError,

@@ -40,23 +40,23 @@ from millpond.errors import InvalidArgumentError, MessageTooLargeError
 from millpond.remote.shm.protocol import read_boot_id
 from millpond.v1 import replay_pb2 as pb
 from millpond.wire.codec import config_from_proto, decode_batch, info_to_proto
+from millpond.wire.episodic import decode_meta, decode_update, decode_updates, optional
 from millpond.wire.frames import (
     SAMPLE_BATCH_FIELD,
     decode_batches,
     encode_with_batch,
     split_push_batch,
 )
-from millpond.wire.episodic import decode_meta, decode_update, decode_updates, optional
 from millpond.wire.inplace import BatchFrame
 from millpond.wire.status import ERROR_CODE_KEY, status_for
 
 from .auth import ADMIN, bearer_token
 from .operations import Operations
 from .owner import INLINE_BYTES
+from .registry import check_name
 from .shm_listener import FastPathServer
 from .streams import CallStreams
 from .waits import wait_budget
-from .registry import check_name
 
 SERVICE_NAME = "millpond.v1.Replay"
 REUSED_REPLY_BYTES = 64 << 10  # sample replies up to this size are built in a reused buffer

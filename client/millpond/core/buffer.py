@@ -18,13 +18,6 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import numpy as np
 
-from millpond.errors import (
-    BufferClosedError,
-    IndexOutOfRangeError,
-    InvalidArgumentError,
-    InvalidConfigError,
-    NotEnoughDataError,
-)
 from millpond.core import sequences
 from millpond.core.bufferfile import BufferFile
 from millpond.core.checks import (
@@ -38,10 +31,10 @@ from millpond.core.checks import (
 from millpond.core.config import BufferConfig, ConfigAccessors, check_exponent
 from millpond.core.draw import Proportional, strategy_for
 from millpond.core.episode_checks import (
-    check_n_step,
     MAX_WINDOW,
     check_fields,
     check_filter,
+    check_n_step,
     check_push_episodes,
     check_updates,
     require_episodes,
@@ -56,6 +49,13 @@ from millpond.core.ratelimit import RateState
 from millpond.core.recovery import recover
 from millpond.core.sequences import Out
 from millpond.core.tier import Tier
+from millpond.errors import (
+    BufferClosedError,
+    IndexOutOfRangeError,
+    InvalidArgumentError,
+    InvalidConfigError,
+    NotEnoughDataError,
+)
 
 
 class TieredBuffer(ConfigAccessors):

@@ -48,14 +48,20 @@ from typing import Mapping
 
 import numpy as np
 
-from millpond.errors import CorruptFileError, FileConflictError, InvalidConfigError
-from millpond.core.schema import Schema
 from millpond.core.checksum import CHECKSUM_DTYPE
-from millpond.core.memory import keep_resident
-from millpond.core.fileops import (CREATE_FLAGS, allocate, check_free_space, fsync_directory, sync_fd,
-                      unlink_quietly)
 from millpond.core.coldio import TierFile
+from millpond.core.fileops import (
+    CREATE_FLAGS,
+    allocate,
+    check_free_space,
+    fsync_directory,
+    sync_fd,
+    unlink_quietly,
+)
+from millpond.core.memory import keep_resident
+from millpond.core.schema import Schema
 from millpond.core.tier import CHECKSUM_REGION, SEQ_DTYPE, SEQ_REGION, Tier
+from millpond.errors import CorruptFileError, FileConflictError, InvalidConfigError
 
 MAGIC = b"MILLPOND"
 FORMAT_VERSION = 4

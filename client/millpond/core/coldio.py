@@ -31,8 +31,8 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
-from millpond.errors import StorageIOError
 from millpond.core.memory import available_memory
+from millpond.errors import StorageIOError
 
 # Rows at least this large are read with preadv (from a tier that does not fit in memory).
 PREAD_MIN_ROW_BYTES = 4096

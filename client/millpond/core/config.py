@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
-from millpond.errors import InvalidConfigError
 from millpond.core.checks import is_integral, is_real
 from millpond.core.ratelimit import Queue, RateLimiter
 from millpond.core.schema import Schema
+from millpond.errors import InvalidConfigError
 
 MODES = ("replay", "queue", "stack")
 MAX_CAPACITY = 2**40  # records: far beyond any disk, and safe in int64 seq arithmetic

@@ -23,10 +23,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from millpond.errors import DTypeMismatchError, InvalidArgumentError, ReadOnlyBufferError, ShapeMismatchError
 from millpond.core.buffer import TieredBuffer
 from millpond.core.checks import check_indices
 from millpond.core.config import BufferConfig
+from millpond.errors import DTypeMismatchError, InvalidArgumentError, ReadOnlyBufferError, ShapeMismatchError
 
 RETURNS_TO_GO = "returns_to_go"
 # The dataset's fields beside the returns-to-go, in rlox's argument order.

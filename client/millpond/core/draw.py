@@ -28,11 +28,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from millpond.errors import NotEnoughDataError
 from millpond.core.bufferfile import BufferFile
 from millpond.core.config import BufferConfig, Prioritized
 from millpond.core.fifo import Fifo, FifoListener
 from millpond.core.sumtree import SumTree
+from millpond.errors import NotEnoughDataError
 
 # Slot arrays a persistent buffer's file holds for its strategy.
 PRIORITY_ARRAYS = {"priority": "<f8", "priority_seq": "<u8"}

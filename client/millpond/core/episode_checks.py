@@ -7,10 +7,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from millpond.errors import InvalidArgumentError
 from millpond.core.checks import check_count, check_episode_ids, check_gamma, check_indices
 from millpond.core.config import BufferConfig
 from millpond.core.episodes import check_meta
+from millpond.errors import InvalidArgumentError
 
 # Longest n-step return, window or episode cut: far beyond any use, and bounds on one call's work.
 MAX_N_STEP = 1 << 16

@@ -35,10 +35,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from millpond.errors import InvalidArgumentError, NotEnoughDataError
 from millpond.core.bufferfile import BufferFile
 from millpond.core.fifo import Fifo
 from millpond.core.schema import Field, Schema, check_value
+from millpond.errors import InvalidArgumentError, NotEnoughDataError
 
 EPISODE_ARRAYS = {"episode": "<i8", "step": "<i8", "next": "<i8", "length": "<i8"}
 META_PREFIX = "meta:"

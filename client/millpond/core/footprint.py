@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from millpond.core.bufferfile import BufferFile
+from millpond.core.checksum import CHECKSUM_DTYPE
 from millpond.core.config import BufferConfig
 from millpond.core.draw import COUNT_ARRAYS, strategy_arrays
 from millpond.core.episodes import episode_arrays
 from millpond.core.sumtree import tree_nbytes
-from millpond.core.checksum import CHECKSUM_DTYPE
 from millpond.core.tier import SEQ_DTYPE
 
 

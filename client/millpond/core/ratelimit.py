@@ -26,8 +26,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping
 
-from millpond.errors import InvalidArgumentError, InvalidConfigError, RateLimitTimeoutError
 from millpond.core.checks import is_integral, is_real
+from millpond.errors import InvalidArgumentError, InvalidConfigError, RateLimitTimeoutError
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from millpond.errors import CorruptFileError
 from millpond.core.bufferfile import BufferFile
 from millpond.core.config import BufferConfig
 from millpond.core.fifo import Fifo
+from millpond.errors import CorruptFileError
 
 
 def recover(path: str | os.PathLike, *, sync_every_push: bool = False, skip_corrupt: bool = False,

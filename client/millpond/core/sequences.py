@@ -15,10 +15,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from millpond.errors import NotEnoughDataError
 from millpond.core.config import BufferConfig
 from millpond.core.episodes import EpisodeIndex
 from millpond.core.fifo import Fifo
+from millpond.errors import NotEnoughDataError
 
 Filter = Mapping[str, np.ndarray] | None
 Out = Mapping[str, np.ndarray] | None  # arrays to write results into (e.g. shared memory)

@@ -3,21 +3,46 @@
 A :class:`Buffer` binds the reference's call signatures (positional
 transition arguments, ``action``/``reward`` aliases) to field names and
 delegates to its backend: the engine's :class:`~millpond.core.TieredBuffer`
-in-process, or a :class:`~millpond.remote.buffer.RemoteBuffer` on a server. Both
-have the same methods, results and exceptions.
+in-process, a :class:`~millpond.remote.buffer.RemoteBuffer` on a server, or a
+:class:`~millpond.sharded.buffer.ShardedBuffer` over several. All have the same
+methods, results and exceptions.
+
+Episodes: every handle has the episodic calls, and a buffer created without
+``episodes=True`` answers them with InvalidArgumentError. The backend does the
+work; the handle keeps, per thread, the
+:class:`~millpond.handle.episode_writer.EpisodeStream` that says which episode the
+thread's next record belongs to.
+
+Learner-side reads (objectrl's access patterns) are the same on every backend.
+Positions index the buffer's *contents*: the records ``len(buf)`` counts,
+oldest first (0 = the oldest, ``len - 1`` the newest). The backend resolves
+positions to records under the buffer's lock, in the call that reads them, so
+a read never mixes two states of a buffer that pushes are changing.
+``device=`` (a torch device) returns ``torch.Tensor`` s instead of numpy arrays
+(:mod:`millpond.handle.devices`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Mapping
+import os
+import sys
+import threading
+from typing import Any, Iterator, Mapping, Sequence
 
+import numpy as np
+
+from millpond.core.checks import check_batch_size, check_count, check_seed
 from millpond.core.config import BufferConfig, ConfigAccessors
+from millpond.core.episode_checks import check_fields
+from millpond.core.episodes import check_meta, record_ends
 from millpond.core.info import BufferInfo
+from millpond.errors import FieldMismatchError, InvalidArgumentError
+from millpond.handle.dataloader import EpisodeLoader
 from millpond.handle.devices import check_device, to_device
-from millpond.handle.episodes import EpisodeMethods
-from millpond.errors import FieldMismatchError
-from millpond.handle.learner import LearnerMethods
+from millpond.handle.episode_writer import EpisodeStream, EpisodeWriter, record_ends_of
+from millpond.handle.export import export, read_chunks
 from millpond.handle.sampler import Sampler
 
 # The reference's positional order for push and push_batch of transitions,
@@ -33,7 +58,7 @@ _ALIASES = {
 }
 
 
-class Buffer(LearnerMethods, EpisodeMethods, ConfigAccessors):
+class Buffer(ConfigAccessors):
     """A replay buffer handle; see :class:`millpond.ReplayBuffer` for the methods.
 
     What backs it, read-only: :attr:`backend` (the object calls go to), :attr:`client`
@@ -234,6 +259,266 @@ class Buffer(LearnerMethods, EpisodeMethods, ConfigAccessors):
             bound[name] = value
         return bound
 
+    # ---- episodes ----------------------------------------------------------------------------
+
+
+    def _stream(self) -> EpisodeStream:
+        """This thread's stream of episodes on this handle."""
+        local = self.__dict__.get("_episode_local")
+        if local is None:
+            local = self.__dict__.setdefault("_episode_local", threading.local())
+        stream = getattr(local, "stream", None)
+        if stream is None:
+            stream = local.stream = EpisodeStream()
+        return stream
+
+    def _push_one(self, record: Mapping[str, Any], priority: float | None,
+                  timeout: float | None) -> None:
+        """Push one bound record, in this thread's current episode if episodic."""
+        if not self.config.episodes:
+            self._backend.push(record, priority, timeout=timeout)
+            return
+        stream = self._stream()
+        updates = stream.meta_update()
+        self._backend.push(record, priority, episode=stream.current, updates=updates,
+                           timeout=timeout)
+        stream.take(record_ends_of(record))
+
+    def _push_many(self, columns: Mapping[str, Any], priorities: Any,
+                   timeout: float | None) -> None:
+        """Push bound columns, continuing this thread's episodes if episodic."""
+        if not self.config.episodes:
+            self._backend.push_batch(columns, priorities, timeout=timeout)
+            return
+        n, batch = self.config.schema.coerce_batch(columns)
+        stream = self._stream()
+        ends = record_ends(self.config.schema, batch, n)
+        ids, updates = stream.ids(ends), stream.meta_update() if n else None
+        self._backend.push_batch(batch, priorities, episodes=ids, updates=updates,
+                                 timeout=timeout)
+        stream.advance(ids, ends)
+
+    def store(self, **step: Any) -> None:
+        """Append one step (``store(**{field: value})``) to this thread's current episode."""
+        self._push_one(self._bind((), (), step), None, None)
+
+    def end_episode(self, **meta: Any) -> None:
+        """End this thread's current episode, giving it ``meta`` (meta fields).
+
+        Records pushed before are flushed first. Right after a record's
+        ``terminated``/``truncated`` ended the episode, this gives that
+        episode its meta. With nothing written since, it does nothing.
+        """
+        checked = check_meta(self.config.meta_fields, meta)
+        self._require_episodes()
+        self._flush()
+        stream = self._stream()
+        running = stream.steps > 0
+        target = stream.end()
+        if target is not None and (running or checked):  # (a flag ended it already)
+            self._backend.update_episodes([(target, checked, True)])
+
+    @contextlib.contextmanager
+    def one_episode(self, **meta: Any) -> Iterator[dict[str, Any]]:
+        """``with buf.one_episode(**meta): buf.store(**step)``: one episode, ended on leaving.
+
+        ``meta`` reaches every record of the episode (sampled with filters
+        while it runs). The block gets a dict: meta put in it is given at the
+        end. An exception leaves the episode unended (never complete) and the
+        next record starts another.
+        """
+        checked = check_meta(self.config.meta_fields, meta)
+        self._require_episodes()
+        stream = self._stream()
+        if stream.steps:  # an episode under way is ended first: this one starts fresh
+            self.end_episode()
+        stream.meta = checked or None  # sent with the episode's first record, atomically
+        final: dict[str, Any] = {}
+        try:
+            yield final
+        except BaseException:
+            self._stream().end()
+            raise
+        self.end_episode(**final)
+
+    def episode_writer(self, n_envs: int, max_records: int | None = None) -> EpisodeWriter:
+        """A writer for ``n_envs`` vectorized environments (see :class:`EpisodeWriter`)."""
+        return EpisodeWriter(self, n_envs, max_records)
+
+    def _require_episodes(self) -> None:
+        if not self.config.episodes:
+            raise InvalidArgumentError("this buffer is not episodic: create it with episodes=True")
+
+    def _flush(self) -> None:
+        flush = getattr(self._backend, "flush", None)
+        if flush is not None:
+            flush()
+
+    def sample_sequences(self, batch_size: int, seq_len: int, seed: int | None = None, *,
+                         filter_meta: Mapping[str, Any] | None = None,
+                         timeout: float | None = None, device: Any = None) -> dict[str, Any]:
+        """``batch_size`` windows of ``seq_len`` steps, each within one episode.
+
+        Fields ``[batch_size, seq_len, ...]`` (zero past the window's end),
+        ``mask``, ``lens``, ``episode_ids``, ``start_steps`` and meta fields.
+        Starts are drawn like :meth:`sample`'s records (by priority on a
+        prioritized buffer, adding ``weights`` and ``indices``). ``device``: torch
+        tensors on it (see :mod:`millpond.handle.devices`).
+        """
+        check_device(device)
+        return to_device(self._backend.sample_sequences(
+            batch_size, seq_len, seed, filter_meta=filter_meta, timeout=timeout), device)
+
+    def sample_trajectories(self, batch_size: int, seq_len: int, seed: int | None = None, *,
+                            filter_meta: Mapping[str, Any] | None = None,
+                            timeout: float | None = None) -> dict[str, np.ndarray]:
+        """:meth:`sample_sequences` under rlox's name."""
+        return self.sample_sequences(batch_size, seq_len, seed, filter_meta=filter_meta,
+                                     timeout=timeout)
+
+    def sample_episodes(self, batch_size: int, seed: int | None = None, *,
+                        max_len: int | None = None, filter_meta: Mapping[str, Any] | None = None,
+                        timeout: float | None = None) -> dict[str, np.ndarray]:
+        """``batch_size`` complete live episodes, padded (``mask``, ``lens``, meta fields)."""
+        return self._backend.sample_episodes(batch_size, seed, max_len=max_len,
+                                             filter_meta=filter_meta, timeout=timeout)
+
+    def episode_catalog(self, filter_meta: Mapping[str, Any] | None = None
+                        ) -> dict[str, np.ndarray]:
+        """The complete live episodes in episode order: ``episode_ids``, ``lens``, meta
+        fields and ``seqs`` (their records, for :meth:`read`)."""
+        self._flush()
+        return self._backend.episode_catalog(filter_meta)
+
+    def read(self, seqs: Any, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Records by index (``seqs``), and ``live``: which were still there."""
+        self._flush()
+        return self._backend.read(seqs, fields)
+
+    def dataloader(self, batch_size: int, n_steps: int | None = None,
+                   fields: Sequence[str] | None = None,
+                   current_fields: Sequence[str] | None = None,
+                   next_fields: Sequence[str] | None = None,
+                   sequence_fields: Sequence[str] | None = None,
+                   filter_meta: Mapping[str, Any] | None = None,
+                   fieldname_map: Mapping[str, str] | None = None, return_mask: bool = False,
+                   timestep_level: bool = False, to_named_tuple: Sequence[str] | None = None,
+                   shuffle: bool = False, drop_last: bool = False, seed: int | None = None,
+                   device: Any = None) -> EpisodeLoader:
+        """An iterable over the complete episodes at trajectory, timestep or n-step level,
+        with memmap-replay-buffer's arguments and output names (see
+        :mod:`millpond.handle.dataloader`)."""
+        self._require_episodes()
+        return EpisodeLoader(self, batch_size, n_steps, fields, current_fields, next_fields,
+                             sequence_fields, filter_meta, fieldname_map, return_mask,
+                             timestep_level, to_named_tuple, shuffle, drop_last, seed, device)
+
+    # ---- learner-side reads (objectrl's access patterns) -------------------------------------
+
+
+    @property
+    def size(self) -> int:
+        """Records held: ``len(buf)`` (objectrl's ``size``)."""
+        return len(self)
+
+    def sample_by_index(self, indices: Any, fields: Sequence[str] | None = None, *,
+                        device: Any = None) -> dict[str, Any]:
+        """Records at positions ``indices`` (0 = oldest, ``len - 1`` = newest), in the
+        order given: ``{field: array[len(indices), *shape]}`` for ``fields`` (default:
+        all; in the order given). A position outside ``[0, len)`` raises
+        IndexOutOfRangeError (an InvalidArgumentError and an IndexError) and reads
+        nothing. Not a sample: it waits for no rate limiter and counts no use
+        (``max_times_sampled``); a queue keeps its records."""
+        check_device(device)  # before the read: a bad device costs no round trip
+        batch = self._backend.read(indices, fields, positions=True)
+        del batch["live"]  # every position names a live record
+        return to_device(batch, device)
+
+    def sample_all(self, fields: Sequence[str] | None = None, *,
+                   device: Any = None) -> dict[str, Any]:
+        """Every record held, oldest first: :meth:`sample_by_index` of ``range(len)``.
+
+        In-process the records are read at once. Remotely they come in
+        replies of at most the client's message size (``max_message_mb``),
+        each read at once; with pushes going on meanwhile, records evicted
+        between two replies shift the positions of the next one.
+        """
+        check_device(device)
+        names = check_fields(self.config, fields)
+        if not hasattr(self._backend, "read_chunk"):  # in-process: one read under the lock
+            return to_device(self._backend.contents(names), device)
+        n, chunks = read_chunks(self, names, max_bytes=sys.maxsize)
+        out: dict[str, np.ndarray] | None = None
+        for start, batch in chunks:
+            rows = len(next(iter(batch.values())))
+            if rows == n:  # one reply: its arrays as they came
+                out = batch
+                break
+            if out is None:
+                out = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+            for name, column in batch.items():
+                out[name][start:start + rows] = column
+        if out is None:  # empty
+            schema = self.config.schema
+            out = {name: np.empty((0, *schema[name].shape), schema[name].dtype)
+                   for name in names or schema.names}
+        return to_device(out, device)
+
+    def epoch_iterator(self, batch_size: int, n_epochs: int = 1, shuffle: bool = True,
+                       seed: int | None = None, drop_last: bool = False, *,
+                       fields: Sequence[str] | None = None,
+                       device: Any = None) -> Iterator[dict[str, Any]]:
+        """Batches that cover the records held once per epoch, ``n_epochs`` times.
+
+        Each epoch takes ``len(buf)`` when it starts and yields
+        ``sample_by_index`` batches of ``batch_size`` positions of
+        ``range(len)``: a permutation if ``shuffle`` (the same for the same
+        ``seed`` and sizes), else in order; the last batch is smaller unless
+        ``drop_last``. Arguments are checked now; batches are read as the
+        iteration goes (a record pushed during an epoch waits for the next).
+        """
+        batch_size = check_batch_size(batch_size)
+        n_epochs = check_count("n_epochs", n_epochs, MAX_EPOCHS)
+        rng = np.random.default_rng(check_seed(seed))
+        names = check_fields(self.config, fields)
+        check_device(device)
+        if not isinstance(shuffle, bool) or not isinstance(drop_last, bool):
+            raise InvalidArgumentError("shuffle and drop_last must be True or False")
+
+        def batches() -> Iterator[dict[str, Any]]:
+            for _ in range(n_epochs):
+                n = len(self)
+                order = rng.permutation(n) if shuffle else np.arange(n)
+                stop = n - n % batch_size if drop_last else n
+                for start in range(0, stop, batch_size):
+                    yield self.sample_by_index(order[start:start + batch_size], names,
+                                               device=device)
+
+        return batches()
+
+    def calculate_num_batches(self, batch_size: int) -> int:
+        """Batches of ``batch_size`` per epoch: ``ceil(len / batch_size)``, as objectrl
+        counts them (with ``drop_last`` an epoch yields ``len // batch_size``)."""
+        return -(-len(self) // check_batch_size(batch_size))
+
+    def reset(self) -> None:
+        """Drop every record; keep the buffer, its config (and file, if persistent).
+
+        Priorities (``max_priority`` back to 1), use counts, the episode
+        index and the rate limiter's balance start again as for a new
+        buffer; ``beta`` and the ``inserts``/``samples``/``pushed`` totals
+        do not. A persistent buffer reset then reopened (even after a crash)
+        is empty. Remote: pushes queued on this handle are stored first,
+        then dropped with the rest; needs the ``learner`` or ``admin`` role.
+        """
+        self._backend.reset()
+
+    def export(self, path: str | os.PathLike) -> str:
+        """Write the records, oldest first, to the ``.npz`` at ``path`` (one array per
+        field, ``episode_ids`` if episodic); return its path. See
+        :func:`millpond.handle.export.export`."""
+        return export(self, path)
+
 
 class PrioritizedBuffer(Buffer):
     """A prioritized buffer handle: ``push(..., priority=)``, ``update_priorities``, ``set_beta``."""
@@ -262,3 +547,7 @@ def handle_for(backend: Any) -> Buffer:
     if backend.config.prioritized is not None:
         return PrioritizedBuffer(backend)
     return Buffer(backend)
+
+
+# One epoch_iterator covers at most this many epochs (a bound on one call, not a use).
+MAX_EPOCHS = 1 << 30

@@ -30,8 +30,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from millpond.core.checks import check_batch_size, check_count, check_seed
-from millpond.handle.devices import to_device
 from millpond.errors import InvalidArgumentError, NotEnoughDataError
+from millpond.handle.devices import to_device
 
 MAX_N_STEPS = 1 << 16
 

@@ -71,7 +71,7 @@ class Sampler:
         self.prefetch = int(prefetch)
         self.seed = seed
         self.max_batches = None if max_batches is None else int(max_batches)
-        self._state = _State(sample, batch_size, self.prefetch, seed, self.max_batches)
+        self._state = _SamplerState(sample, batch_size, self.prefetch, seed, self.max_batches)
         # Dropped without close(): stop the workers (they hold the state only).
         self._finalizer = weakref.finalize(self, _shut_from_finalizer, self._state)
 
@@ -104,7 +104,7 @@ class Sampler:
         )
 
 
-class _State:
+class _SamplerState:
     """What the consumer and the workers share; workers never hold the Sampler."""
 
     def __init__(self, sample: SampleFn, batch_size: int, prefetch: int,
@@ -187,7 +187,7 @@ class _OwnedLock(Protocol):
     def _is_owned(self) -> bool: ...
 
 
-def _shut_from_finalizer(state: _State) -> None:
+def _shut_from_finalizer(state: _SamplerState) -> None:
     """Stop the workers of a collected sampler.
 
     Garbage collection may run this in a worker while it holds the lock
@@ -200,7 +200,7 @@ def _shut_from_finalizer(state: _State) -> None:
         state.shut()
 
 
-def _work(state: _State) -> None:
+def _work(state: _SamplerState) -> None:
     lock, room, ready = state.lock, state.room, state.ready
     while True:
         with lock:

@@ -57,7 +57,6 @@ import torch
 from tensordict import TensorDict
 
 import millpond
-
 from millpond.errors import BufferNotFoundError, InvalidArgumentError, NotEnoughDataError
 
 SEP = "__"

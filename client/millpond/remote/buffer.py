@@ -24,7 +24,6 @@ from millpond.core.checks import (
     check_timeout,
 )
 from millpond.core.config import BufferConfig, ConfigAccessors, check_exponent
-from millpond.core.episodes import EPISODE_COLUMN
 from millpond.core.episode_checks import (
     MAX_WINDOW,
     check_fields,
@@ -33,6 +32,7 @@ from millpond.core.episode_checks import (
     check_updates,
     require_episodes,
 )
+from millpond.core.episodes import EPISODE_COLUMN
 from millpond.core.info import BufferInfo
 from millpond.errors import BufferNotFoundError
 from millpond.remote.grpc_transport import FRAMING_BYTES
@@ -40,8 +40,8 @@ from millpond.remote.writes import QueuedWrites
 
 if TYPE_CHECKING:
     from millpond.client import Client
-    from millpond.remote.push_window import PushWindow
     from millpond.remote.connection import Connection
+    from millpond.remote.push_window import PushWindow
 
 
 class RemoteBuffer(QueuedWrites, ConfigAccessors):

@@ -37,7 +37,6 @@ import grpc
 
 from millpond.errors import DeadlineExceededError, ServerUnavailableError
 
-
 _ENDED = object()  # the stream ended without an error
 FORK_WAIT_S = 0.5  # a fork waits at most this for the streams it closed to end
 

@@ -177,7 +177,7 @@ _exiting = False
 def _flush_at_exit() -> None:
     """Wait for what every live window has in flight (a process that exits right after
     its last push_batch has it stored), and from now on send pushes one at a time: the
-    queued pushes flushed at exit (batch_state) may come after this, or before."""
+    queued pushes flushed at exit (remote/batcher.py) may come after this, or before."""
     global _exiting
     _exiting = True
     for window in list(_LIVE):

@@ -15,13 +15,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from millpond.remote.batcher import PushBatcher
 from millpond.core.checks import check_priorities, check_timeout
 from millpond.core.config import BufferConfig
-from millpond.core.episodes import EPISODE_COLUMN, with_episode_column
 from millpond.core.episode_checks import check_push_episodes, check_updates
+from millpond.core.episodes import EPISODE_COLUMN, with_episode_column
 from millpond.core.schema import Schema
 from millpond.errors import BufferClosedError, InvalidArgumentError
+from millpond.remote.batcher import PushBatcher
 from millpond.remote.grpc_transport import FRAMING_BYTES
 
 

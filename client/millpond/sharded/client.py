@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from millpond.client import BufferClient, Client
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo, ShardInfo
 from millpond.errors import (
@@ -45,7 +46,6 @@ from millpond.errors import (
     ReplayError,
     ServerUnavailableError,
 )
-from millpond.client import BufferClient, Client
 from millpond.handle.buffer import Buffer, handle_for
 from millpond.sharded.buffer import ShardedBuffer
 from millpond.sharded.names import DNS_SCHEME, resolve

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-
 from google.protobuf.message import DecodeError
 
 from millpond.errors import InvalidArgumentError
