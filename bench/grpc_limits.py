@@ -223,6 +223,8 @@ def grpc_limits_section(address: str, workloads: list, tmp: Path, seconds: float
     down_request = str(down).encode()
     sampler = atari.sampler(256, prefetch=4)
     next(sampler)
+    cart_sampler = cart.sampler(256, prefetch=4)  # a learner's samples in flight
+    next(cart_sampler)
     bares = [BareEcho("aio"), BareEcho("sync")]
     for bare in bares:  # connect and warm up
         bare.empty(b"")
@@ -251,6 +253,8 @@ def grpc_limits_section(address: str, workloads: list, tmp: Path, seconds: float
          lambda b: b.download(down_request), down, callers, seconds),
         (f"CartPole push_batch(1000), {IN_FLIGHT} in flight", _flushed(cart_actor, cart_batch),
          1, lambda b: b.empty(b""), 1, 1, seconds),
+        ("CartPole sampler(256, prefetch=4)", lambda: next(cart_sampler), 1,
+         lambda b: b.empty(b""), 1, 1, seconds),
     ]
     results = []
     streams: dict[str, list[tuple[float, float]]] = {}  # row -> (ping/s, row / ping) per turn
@@ -272,6 +276,7 @@ def grpc_limits_section(address: str, workloads: list, tmp: Path, seconds: float
                             statistics.median(ceiling_ratios) if ceiling_ratios else None))
     finally:
         sampler.close()
+        cart_sampler.close()
         for bare in bares:
             bare.close()
     push_row = results[2]
@@ -302,13 +307,13 @@ def _print(results: list, disk: float, callers: int) -> None:
     print("\ngRPC beside bare gRPC, same run: one daemon, connect(shm=False); limit: a bare gRPC "
           "echo server (the\nfaster of grpc.aio and sync) making calls of the same shape; "
           f"medians of {TURNS} turns")
-    print(f"  {'row':34} {'millpond':>19} {'limit':>19}  {'ratio':>5}  {'target':8} limit is")
+    print(f"  {'row':42} {'millpond':>19} {'limit':>19}  {'ratio':>5}  {'target':8} limit is")
     for i, (row, ours, limit, ratio, _) in enumerate(results):
         if i == 2:  # a persistent buffer's pushes end on disk: the lower limit counts
             limit, ratio = min(limit, disk), ratio * limit / min(limit, disk)
         if i < 2:
             what, target, unit, scale = "empty calls", ">= 0.7x", "calls/s", 1.0
-        elif i == 7:
+        elif i in (7, 8):
             what, target, unit, scale = "sequential empty calls", ">= 1x", "calls/s", 1.0
         elif i == 5:
             what, target = f"{callers} callers' empty calls x 256", ">= 500k"
@@ -320,7 +325,7 @@ def _print(results: list, disk: float, callers: int) -> None:
             target, unit, scale = (">= 0.9x" if i == 4 else ">= 0.7x"), "GB/s", 1e-9
         figures = " ".join(f"{f'{value * scale:,.2f}' if scale < 1 else f'{value:,.0f}':>11} "
                            f"{unit:7}" for value in (ours, limit))
-        print(f"  {row:34} {figures}  {ratio:4.2f}x  {target:8} {what}")
+        print(f"  {row:42} {figures}  {ratio:4.2f}x  {target:8} {what}")
     ceilings = [(row, ceiling) for row, _, _, _, ceiling in results if ceiling is not None]
     if ceilings:
         print("  the same calls to a daemon with its storage work patched out (bench/no_storage.py),"

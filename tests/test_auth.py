@@ -37,7 +37,7 @@ ALLOWED = {
     "CreateNew": {"admin"}, "CreateAttach": ALL, "Push": {"admin", "actor"},
     "PushBatch": {"admin", "actor"}, "Sample": {"admin", "learner"},
     "UpdatePriorities": {"admin", "learner"}, "SetBeta": {"admin", "learner"},
-    "Close": {"admin"}, "Info": ALL, "List": ALL, "Negotiate": ALL,
+    "Delete": {"admin"}, "Info": ALL, "List": ALL, "Negotiate": ALL,
     "Reset": {"admin", "learner"},  # an on-policy learner empties what it trained on
 }
 
@@ -153,7 +153,7 @@ def call(rpc: str, t: GrpcTransport, name: str, indices: np.ndarray):
         return t.update_priorities(name, indices, np.full(len(indices), 7.0), T)
     if rpc == "SetBeta":
         return t.set_beta(name, 0.9, T)
-    if rpc == "Close":
+    if rpc == "Delete":
         return t.delete(name, T)
     if rpc == "Reset":
         return t.reset(name, T)
@@ -188,7 +188,7 @@ def test_every_rpc_obeys_the_role_table(transport_as, rpc, who, request):
             assert result is False  # attached, never created
         if rpc == "Reset":
             assert admin.info(name, T).size == 0 and admin.info(name, T).pushed == 10
-        if rpc == "Close":
+        if rpc == "Delete":
             with pytest.raises(millpond.BufferNotFoundError):
                 admin.info(name, T)
             return

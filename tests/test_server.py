@@ -214,7 +214,7 @@ def test_close_deletes_cold_file(stub, shared_server, name):
     path = shared_server.data_dir / create(stub, name, hot=2, total=6).path
     push_batch(stub, name, transitions(5))
     assert os.path.exists(path)
-    stub.Close(pb.CloseRequest(name=name), timeout=TIMEOUT)
+    stub.Delete(pb.DeleteRequest(name=name), timeout=TIMEOUT)
     assert not os.path.exists(path)
     names = [b.name for b in stub.List(pb.ListRequest(), timeout=TIMEOUT).buffers]
     assert name not in names
@@ -231,7 +231,7 @@ def test_unknown_buffer_is_not_found(stub, call):
         "sample": lambda: sample(stub, missing, 1),
         "push_batch": lambda: push_batch(stub, missing, transitions(1)),
         "push": lambda: stub.Push(pb.PushRequest(name=missing), timeout=TIMEOUT),
-        "close": lambda: stub.Close(pb.CloseRequest(name=missing), timeout=TIMEOUT),
+        "close": lambda: stub.Delete(pb.DeleteRequest(name=missing), timeout=TIMEOUT),
     }
     err = expect_error(grpc.StatusCode.NOT_FOUND, "BUFFER_NOT_FOUND", calls[call])
     assert missing in err.details()

@@ -28,6 +28,7 @@ from millpond.client import (
 from millpond.core import BufferConfig, Schema, TieredBuffer
 from millpond.core.ratelimit import RateLimiter
 from millpond.errors import ConfigMismatchError, InvalidConfigError
+from millpond.handle.backend import Backend
 from millpond.handle.buffer import Buffer, PrioritizedBuffer
 from millpond.sharded.client import ShardedClient
 
@@ -101,7 +102,7 @@ def connect(
 
 def _backend(config: BufferConfig, address: str | Sequence[str] | None, name: str | None,
              path: str | os.PathLike | None = None, persistent: bool = False,
-             token: str | None = None, max_in_flight: int = 1) -> Any:
+             token: str | None = None, max_in_flight: int = 1) -> Backend:
     """The engine in-process, or the server's buffer ``name`` at ``address``
     (server buffers are always persistent, in the server's data directory).
     ``token`` (default ``MILLPOND_TOKEN``), ``max_in_flight`` and the

@@ -32,6 +32,7 @@ from millpond.core.info import BufferInfo
 from millpond.core.ratelimit import RateLimiter
 from millpond.core.schema import Schema
 from millpond.errors import InvalidConfigError
+from millpond.handle.backend import Backend
 from millpond.handle.buffer import Buffer, handle_for
 from millpond.remote.buffer import RemoteBuffer
 from millpond.remote.connection import Connection
@@ -54,7 +55,7 @@ class BufferClient:
     turns the user-facing arguments into a config and wraps the backend that the
     client's :meth:`remote_buffer` gives in its handle."""
 
-    def remote_buffer(self, name: str, config: BufferConfig) -> Any:
+    def remote_buffer(self, name: str, config: BufferConfig) -> Backend:
         raise NotImplementedError
 
     def create_buffer(
@@ -195,6 +196,9 @@ class Client(BufferClient):
             ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
+            # A channel of its own connection: a forked child's new channel must not reuse
+            # its parent's (gRPC's global pool would hand it the parent's socket).
+            ("grpc.use_local_subchannel_pool", 1),
         ]
 
     # ---- buffers --------------------------------------------------------------

@@ -15,7 +15,7 @@ records like a queue's samples do, but never the buffer, its config or
 file); an actor also ends its episodes; ``read`` only
 ``Info`` and ``List``. Every role may ``Negotiate``, and ``Create`` when it
 only attaches to an existing buffer of the same config (the operations layer
-enforces that under the registry's lock); creating a new buffer and ``Close``
+enforces that under the registry's lock); creating a new buffer and ``Delete``
 need ``admin``.
 
 The shared-memory fast path authenticates its ``hello`` the same way (the
@@ -56,7 +56,7 @@ MIN_TOKEN_CHARS = 16
 # RPC -> the roles that may call it. Create: every role, but only admin may make a new buffer.
 METHOD_ROLES: dict[str, frozenset[str]] = {
     "Create": _ALL,
-    "Close": frozenset({ADMIN}),
+    "Delete": frozenset({ADMIN}),
     "Push": frozenset({ADMIN, ACTOR}),
     "PushBatch": frozenset({ADMIN, ACTOR}),
     "Sample": frozenset({ADMIN, LEARNER}),

@@ -33,7 +33,7 @@ from .service import STREAMED
 log = logging.getLogger("millpond.calls")
 
 # Methods whose request has the buffer name in field 1.
-NAMED = frozenset(("Create", "Push", "PushBatch", "Sample", "Close", "Info", "UpdatePriorities",
+NAMED = frozenset(("Create", "Push", "PushBatch", "Sample", "Delete", "Info", "UpdatePriorities",
                    "SetBeta"))
 
 

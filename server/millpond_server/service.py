@@ -301,10 +301,10 @@ class ReplayService:
         return reply
 
     @_rpc
-    async def Close(self, request: pb.CloseRequest, context: Context) -> pb.CloseReply:
+    async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteReply:
         buffer = self.ops.registry.get(request.name)
         await self.ops.owner(buffer).run(self.ops.delete, request.name)  # parked calls end
-        return pb.CloseReply()
+        return pb.DeleteReply()
 
     @_rpc
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.BufferInfo:

@@ -366,6 +366,13 @@ class TieredBuffer(ConfigAccessors):
         seqs = fifo.live()
         return seqs[self._strategy.drawable(seqs)][positions]
 
+    def flush(self) -> None:
+        """Nothing to wait for: every push is stored before it returns."""
+
+    def read_chunk(self, record_nbytes: int) -> None:
+        """None: one :meth:`read` may return any number of records."""
+        return None
+
     def contents(self, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Every record that can be sampled, oldest first (a copy; fields ``fields``,
         default all, in that order), read at once: ``sample_all``, checks, tests."""

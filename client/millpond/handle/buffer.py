@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 import threading
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -39,10 +38,11 @@ from millpond.core.episode_checks import check_fields
 from millpond.core.episodes import check_meta, record_ends
 from millpond.core.info import BufferInfo
 from millpond.errors import FieldMismatchError, InvalidArgumentError
+from millpond.handle.backend import Backend
 from millpond.handle.dataloader import EpisodeLoader
 from millpond.handle.devices import check_device, to_device
 from millpond.handle.episode_writer import EpisodeStream, EpisodeWriter, record_ends_of
-from millpond.handle.export import export, read_chunks
+from millpond.handle.export import export
 from millpond.handle.sampler import Sampler
 
 # The reference's positional order for push and push_batch of transitions,
@@ -65,12 +65,12 @@ class Buffer(ConfigAccessors):
     (the server connection, None in-process) and :attr:`transport` (how the data moves).
     """
 
-    def __init__(self, backend: Any):
+    def __init__(self, backend: Backend):
         self._backend = backend
         self.config: BufferConfig = backend.config  # fixed at creation
 
     @property
-    def backend(self) -> Any:
+    def backend(self) -> Backend:
         """The object this handle delegates to: in-process the engine's
         :class:`~millpond.core.TieredBuffer` (a read-only dataset for an in-process
         :class:`~millpond.OfflineDatasetBuffer`); on a server a
@@ -82,7 +82,7 @@ class Buffer(ConfigAccessors):
     def client(self) -> Any:
         """The client this handle reaches its server through (a :class:`millpond.Client`,
         or for shards a :class:`millpond.sharded.client.ShardedClient`); None in-process."""
-        return getattr(self._backend, "_client", None)  # remote and sharded backends keep it
+        return getattr(self._backend, "client", None)  # remote and sharded backends have one
 
     @property
     def transport(self) -> str:
@@ -172,9 +172,7 @@ class Buffer(ConfigAccessors):
         returns, and a failed send raises here. The in-process buffer stores
         on push, so this does nothing there.
         """
-        flush = getattr(self._backend, "flush", None)
-        if flush is not None:
-            flush()
+        self._backend.flush()
 
     def sampler(
         self,
@@ -350,9 +348,7 @@ class Buffer(ConfigAccessors):
             raise InvalidArgumentError("this buffer is not episodic: create it with episodes=True")
 
     def _flush(self) -> None:
-        flush = getattr(self._backend, "flush", None)
-        if flush is not None:
-            flush()
+        self._backend.flush()
 
     def sample_sequences(self, batch_size: int, seq_len: int, seed: int | None = None, *,
                          filter_meta: Mapping[str, Any] | None = None,
@@ -444,25 +440,7 @@ class Buffer(ConfigAccessors):
         between two replies shift the positions of the next one.
         """
         check_device(device)
-        names = check_fields(self.config, fields)
-        if not hasattr(self._backend, "read_chunk"):  # in-process: one read under the lock
-            return to_device(self._backend.contents(names), device)
-        n, chunks = read_chunks(self, names, max_bytes=sys.maxsize)
-        out: dict[str, np.ndarray] | None = None
-        for start, batch in chunks:
-            rows = len(next(iter(batch.values())))
-            if rows == n:  # one reply: its arrays as they came
-                out = batch
-                break
-            if out is None:
-                out = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in batch.items()}
-            for name, column in batch.items():
-                out[name][start:start + rows] = column
-        if out is None:  # empty
-            schema = self.config.schema
-            out = {name: np.empty((0, *schema[name].shape), schema[name].dtype)
-                   for name in names or schema.names}
-        return to_device(out, device)
+        return to_device(self._backend.contents(check_fields(self.config, fields)), device)
 
     def epoch_iterator(self, batch_size: int, n_epochs: int = 1, shuffle: bool = True,
                        seed: int | None = None, drop_last: bool = False, *,
@@ -542,7 +520,7 @@ class PrioritizedBuffer(Buffer):
         self._backend.set_beta(beta)
 
 
-def handle_for(backend: Any) -> Buffer:
+def handle_for(backend: Backend) -> Buffer:
     """The handle class for ``backend``'s config: prioritized or not."""
     if backend.config.prioritized is not None:
         return PrioritizedBuffer(backend)

@@ -162,9 +162,9 @@ class EpisodeWriter:
                      for name in self._batches[0]}
             ids = np.concatenate(self._ids)
             self._batches, self._ids, self._pending = [], [], 0
-            self.buffer._backend.push_batch(batch, episodes=ids, updates=updates or None)
+            self.buffer.backend.push_batch(batch, episodes=ids, updates=updates or None)
         elif updates:
-            self.buffer._backend.update_episodes(updates)
+            self.buffer.backend.update_episodes(updates)
 
     def close(self) -> None:
         self.flush()

@@ -32,8 +32,8 @@ def chunk_records(buf: Any, names: Sequence[str] | None, episode_ids: bool,
     schema = buf.config.schema
     nbytes = sum(schema[name].nbytes for name in names or schema.names) + 1 + 8 * episode_ids
     step = max(1, max_bytes // nbytes)
-    read_chunk = getattr(buf._backend, "read_chunk", None)
-    return step if read_chunk is None else min(step, read_chunk(nbytes))
+    chunk = buf.backend.read_chunk(nbytes)
+    return step if chunk is None else min(step, chunk)
 
 
 def read_chunks(buf: Any, names: Sequence[str] | None, episode_ids: bool = False,
@@ -48,7 +48,7 @@ def read_chunks(buf: Any, names: Sequence[str] | None, episode_ids: bool = False
 
     def chunks() -> Iterator[tuple[int, dict[str, np.ndarray]]]:
         for start in range(0, n, step):
-            batch = buf._backend.read(np.arange(start, min(n, start + step)), names,
+            batch = buf.backend.read(np.arange(start, min(n, start + step)), names,
                                       positions=True, episode_ids=episode_ids)
             del batch["live"]  # every position names a live record
             yield start, batch

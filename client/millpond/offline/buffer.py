@@ -25,6 +25,7 @@ import numpy as np
 from millpond.api import connect
 from millpond.core.dataset import RETURNS_TO_GO, ReadOnlyBuffer, dataset_columns, is_dataset_config
 from millpond.errors import InvalidArgumentError, InvalidConfigError, ReadOnlyBufferError
+from millpond.handle.backend import Backend
 from millpond.handle.buffer import Buffer
 from millpond.offline.progress import ProgressBar
 
@@ -103,9 +104,9 @@ class OfflineDatasetBuffer(Buffer):
                 f"a buffer of fields {list(handle.config.schema.names)} (episodic: "
                 f"{handle.config.episodes}) is not an offline dataset: it needs the fields obs, "
                 f"next_obs, actions, rewards, terminated, truncated, {RETURNS_TO_GO} and episodes")
-        self._setup(handle._backend, normalize, owned)
+        self._setup(handle.backend, normalize, owned)
 
-    def _setup(self, backend: Any, normalize: bool, owned: bool = True) -> None:
+    def _setup(self, backend: Backend, normalize: bool, owned: bool = True) -> None:
         Buffer.__init__(self, backend)
         self.normalize = bool(normalize)
         self._stats: dict[str, Any] | None = None
@@ -247,9 +248,9 @@ def observation_moments(buf: Buffer) -> tuple[np.ndarray, np.ndarray]:
     seqs = buf.episode_catalog()["seqs"]
     field = buf.config.schema["obs"]
     chunk = max(1, READ_BYTES // max(field.nbytes, 1))
-    read_chunk = getattr(buf._backend, "read_chunk", None)  # what one remote reply may hold
-    if read_chunk is not None:
-        chunk = min(chunk, read_chunk(field.nbytes + 1))
+    most = buf.backend.read_chunk(field.nbytes + 1)  # what one remote reply may hold
+    if most is not None:
+        chunk = min(chunk, most)
     count = 0
     mean = np.zeros(field.shape, np.float64)
     m2 = np.zeros(field.shape, np.float64)

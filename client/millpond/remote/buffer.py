@@ -11,7 +11,7 @@ Bulk calls go through the connection's transport seam
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from millpond.client import Client
     from millpond.remote.connection import Connection
     from millpond.remote.push_window import PushWindow
+    from millpond.sharded.buffer import ShardedBuffer
 
 
 class RemoteBuffer(QueuedWrites, ConfigAccessors):
@@ -69,6 +70,11 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
         # A window of pushes in flight, and the connection it is on; see _push_window.
         self._window: tuple[Connection, PushWindow] | None = None
         self._windowed = windowed
+
+    @property
+    def client(self) -> Any:
+        """The client this buffer's calls go through."""
+        return self._client
 
     def __reduce__(self) -> tuple[Any, tuple]:  # pending records stay with this handle, never in a pickle
         return (RemoteBuffer, (self._client, self.name, self.config))
@@ -228,6 +234,11 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
         return self._client.connection.call("read", self.name, self.config, wanted, names,
                                             self._client.timeout, positions, episode_ids)
 
+    def contents(self, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Every record, oldest first, in reads of at most :meth:`read_chunk` records
+        (each read one state of the buffer: see :func:`read_all`)."""
+        return read_all(self, fields)
+
     def read_chunk(self, record_nbytes: int) -> int:
         """Records of ``record_nbytes`` each that one read's reply may carry (the client's
         message limit; the server's may be lower: then it says MessageTooLargeError)."""
@@ -266,3 +277,31 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
         except BufferNotFoundError:
             pass  # deleted already: the result this call wants
         self._closed = True
+
+
+def read_all(backend: "RemoteBuffer | ShardedBuffer", fields: Sequence[str] | None
+             ) -> dict[str, np.ndarray]:
+    """Every record of a remote or sharded ``backend``, oldest first: the positions
+    ``range(len)`` as ``len`` is now, in reads of at most what one reply may carry, each
+    resolved by the daemon under the buffer's lock. With pushes going on meanwhile,
+    records evicted between two reads shift the positions of the next one."""
+    config = backend.config
+    names = check_fields(config, fields)
+    schema = config.schema
+    n = len(backend)
+    step = backend.read_chunk(sum(schema[name].nbytes for name in names or schema.names) + 1)
+    out: dict[str, np.ndarray] | None = None
+    for start in range(0, n, step):
+        batch = backend.read(np.arange(start, min(n, start + step)), names, positions=True)
+        del batch["live"]  # every position names a live record
+        if step >= n:  # one reply: its arrays as they came
+            return batch
+        if out is None:
+            out = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+        rows = len(next(iter(batch.values())))
+        for name, column in batch.items():
+            out[name][start:start + rows] = column
+    if out is None:  # empty
+        out = {name: np.empty((0, *schema[name].shape), schema[name].dtype)
+               for name in names or schema.names}
+    return out

@@ -275,7 +275,7 @@ class GrpcTransport:
         return [info_from_proto(info) for info in reply.buffers]
 
     def delete(self, name: str, deadline: float) -> None:
-        self.invoke(self.stub.Close, pb.CloseRequest(name=name), deadline)
+        self.invoke(self.stub.Delete, pb.DeleteRequest(name=name), deadline)
 
     def negotiate(self, boot_id: str, deadline: float) -> pb.NegotiateReply:
         return self.invoke(self.stub.Negotiate, pb.NegotiateRequest(boot_id=boot_id), deadline)

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -79,7 +79,7 @@ from millpond.errors import (
     NotEnoughDataError,
     ServerUnavailableError,
 )
-from millpond.remote.buffer import RemoteBuffer
+from millpond.remote.buffer import RemoteBuffer, read_all
 from millpond.remote.writes import QueuedWrites
 from millpond.sharded.placement import (
     aggregate,
@@ -121,6 +121,11 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
         self._home = client.next_shard()
         self._lock = threading.Lock()
         self._beta: float | None = None  # the last set_beta: down shards get it once back
+
+    @property
+    def client(self) -> Any:
+        """The client this buffer's calls go through."""
+        return self._client
 
     def __reduce__(self) -> tuple[Any, tuple]:
         return (ShardedBuffer, (self._client, self.name, self.shard_configs))
@@ -493,6 +498,11 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
         for shard in sorted(errors):
             raise errors[shard]
         return infos
+
+    def contents(self, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Every record, shard after shard, in reads of at most :meth:`read_chunk` records
+        (see :func:`millpond.remote.buffer.read_all`)."""
+        return read_all(self, fields)
 
     def read_chunk(self, record_nbytes: int) -> int:
         """Records one read's reply may carry (the smallest of the shards' limits)."""

@@ -148,13 +148,13 @@ class SampleReply(_message.Message):
     batch: Batch
     def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
 
-class CloseRequest(_message.Message):
+class DeleteRequest(_message.Message):
     __slots__ = ("name",)
     NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
-class CloseReply(_message.Message):
+class DeleteReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

@@ -54,10 +54,10 @@ class ReplayStub:
                 request_serializer=millpond_dot_v1_dot_replay__pb2.SampleRequest.SerializeToString,
                 response_deserializer=millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
                 _registered_method=True)
-        self.Close = channel.unary_unary(
-                '/millpond.v1.Replay/Close',
-                request_serializer=millpond_dot_v1_dot_replay__pb2.CloseRequest.SerializeToString,
-                response_deserializer=millpond_dot_v1_dot_replay__pb2.CloseReply.FromString,
+        self.Delete = channel.unary_unary(
+                '/millpond.v1.Replay/Delete',
+                request_serializer=millpond_dot_v1_dot_replay__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=millpond_dot_v1_dot_replay__pb2.DeleteReply.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/millpond.v1.Replay/Info',
@@ -159,7 +159,7 @@ class ReplayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Close(self, request, context):
+    def Delete(self, request, context):
         """Delete the buffer and its file.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -282,10 +282,10 @@ def add_ReplayServicer_to_server(servicer, server):
                     request_deserializer=millpond_dot_v1_dot_replay__pb2.SampleRequest.FromString,
                     response_serializer=millpond_dot_v1_dot_replay__pb2.SampleReply.SerializeToString,
             ),
-            'Close': grpc.unary_unary_rpc_method_handler(
-                    servicer.Close,
-                    request_deserializer=millpond_dot_v1_dot_replay__pb2.CloseRequest.FromString,
-                    response_serializer=millpond_dot_v1_dot_replay__pb2.CloseReply.SerializeToString,
+            'Delete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Delete,
+                    request_deserializer=millpond_dot_v1_dot_replay__pb2.DeleteRequest.FromString,
+                    response_serializer=millpond_dot_v1_dot_replay__pb2.DeleteReply.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -472,7 +472,7 @@ class Replay:
             _registered_method=True)
 
     @staticmethod
-    def Close(request,
+    def Delete(request,
             target,
             options=(),
             channel_credentials=None,
@@ -485,9 +485,9 @@ class Replay:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/millpond.v1.Replay/Close',
-            millpond_dot_v1_dot_replay__pb2.CloseRequest.SerializeToString,
-            millpond_dot_v1_dot_replay__pb2.CloseReply.FromString,
+            '/millpond.v1.Replay/Delete',
+            millpond_dot_v1_dot_replay__pb2.DeleteRequest.SerializeToString,
+            millpond_dot_v1_dot_replay__pb2.DeleteReply.FromString,
             options,
             channel_credentials,
             insecure,
