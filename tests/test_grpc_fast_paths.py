@@ -356,3 +356,33 @@ def test_a_small_push_that_waits_counts_its_bytes_like_a_large_one(tmp_path):
         registry.release_all()
 
     asyncio.run(main())
+
+
+def test_a_large_request_is_decoded_off_the_loop(tmp_path, monkeypatch):
+    """Decoding megabytes of protobuf would stall every other call: a request over
+    DECODE_ON_LOOP_BYTES is parsed on the engine pool, a small one on the loop."""
+    from millpond_server import service as service_module
+
+    registry, ops, service = _service(tmp_path)
+    threads = []
+    real = service_module._REQUESTS["Info"]
+
+    def spy(raw):
+        threads.append(threading.get_ident())
+        return real(raw)
+
+    monkeypatch.setitem(service_module._REQUESTS, "Info", spy)
+
+    async def main():
+        ops.start(asyncio.get_running_loop())
+        ops.ready = True
+        registry.create("b", BufferConfig(SCHEMA, 50, 200))
+        await service.Info(pb.InfoRequest(name="b").SerializeToString(), _Context())
+        large = pb.InfoRequest(name="b" * (service_module.DECODE_ON_LOOP_BYTES + 1))
+        with pytest.raises(AssertionError, match="NOT_FOUND"):  # (no such buffer)
+            await service.Info(large.SerializeToString(), _Context())
+        loop_thread = threading.get_ident()
+        assert threads[0] == loop_thread and threads[1] != loop_thread
+        registry.release_all()
+
+    asyncio.run(main())

@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md section 2, checked on the source: who may import whom.
+"""The layers of docs/DESIGN.md section 2, checked on the source: who may import whom.
 
 Imports are read from the code (every ``import`` statement, in functions too;
 those under ``if TYPE_CHECKING:`` do not run and do not count).

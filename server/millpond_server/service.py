@@ -60,6 +60,8 @@ from .waits import wait_budget
 
 SERVICE_NAME = "millpond.v1.Replay"
 REUSED_REPLY_BYTES = 64 << 10  # sample replies up to this size are built in a reused buffer
+# A request larger than this is decoded on the engine pool, never on the event loop.
+DECODE_ON_LOOP_BYTES = 64 << 10
 _DESCRIPTORS = pb.DESCRIPTOR.services_by_name["Replay"].methods
 # The unary RPCs, and the streams whose every message is one of them (PushBatchStream: PushBatch).
 _METHODS = tuple(m.name for m in _DESCRIPTORS if not m.client_streaming)
@@ -72,22 +74,34 @@ _ROLE: contextvars.ContextVar[str | None] = contextvars.ContextVar("millpond_rol
 def _rpc(method: Callable) -> Callable:
     """The one error translator, and the role and readiness checks, around an RPC handler."""
 
-    parse = _REQUESTS[method.__name__]
+    name = method.__name__
 
     @functools.wraps(method)
     async def handler(self: "ReplayService", raw: bytes, context: Context) -> Any:
         try:
-            _ROLE.set(self.ops.auth.rpc_role(method.__name__, context))
+            _ROLE.set(self.ops.auth.rpc_role(name, context))
             self.ops.check_ready()
-            return await method(self, parse(raw), context)
+            parse = _REQUESTS[name]
+            request = parse(raw) if len(raw) <= DECODE_ON_LOOP_BYTES else await self.ops.run(
+                parse, raw)  # decoding a large request would stall every other call
+            return await method(self, request, context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:
-            error = self.ops.classify(exc, method.__name__)
+            error = self.ops.classify(exc, name)
             status, code = status_for(error)
             await context.abort(status, str(error), trailing_metadata=((ERROR_CODE_KEY, code),))
 
     return handler
+
+
+def _split_push(request: bytes) -> tuple[str, list[memoryview], np.ndarray | None,
+                                          float | None, list | None]:
+    """A PushBatchRequest's top-level fields (:func:`split_push_batch`), its episode
+    updates decoded."""
+    name, batches, priorities, timeout, raw_updates = split_push_batch(request)
+    return name, batches, priorities, timeout, [
+        decode_update(bytes(raw)) for raw in raw_updates] or None
 
 
 def _parser(message_class: Any) -> Callable[[bytes], Any]:
@@ -152,10 +166,12 @@ class ReplayService:
 
     @_rpc
     async def PushBatch(self, request: bytes, context: Context) -> pb.PushReply:
-        # Arrives unparsed (see add_to_server); its top-level fields are read
-        # here, its columns where the push runs (the pool, if it is large).
-        name, batches, priorities, timeout, raw_updates = split_push_batch(request)
-        updates = [decode_update(bytes(raw)) for raw in raw_updates] or None
+        # Arrives unparsed (see add_to_server); its top-level fields are read here (on
+        # the pool if it is large), its columns where the push runs.
+        if len(request) <= DECODE_ON_LOOP_BYTES:
+            name, batches, priorities, timeout, updates = _split_push(request)
+        else:
+            name, batches, priorities, timeout, updates = await self.ops.run(_split_push, request)
         buffer = self.ops.registry.get(name)
         # (--sync always: every push waits for the disk, never on the loop)
         small = len(request) <= INLINE_BYTES and not self.ops.registry.sync_every_push
@@ -209,8 +225,11 @@ class ReplayService:
     async def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest,
                                context: Context) -> pb.UpdatePrioritiesReply:
         buffer = self.ops.registry.get(request.name)
-        updated = await self.ops.owner(buffer).run(
-            buffer.update_priorities, list(request.indices), list(request.priorities))
+
+        def update() -> int:  # (millions of items: not on the loop)
+            return buffer.update_priorities(list(request.indices), list(request.priorities))
+
+        updated = await self.ops.owner(buffer).run(update)
         return pb.UpdatePrioritiesReply(updated=updated)
 
     @_rpc
