@@ -7,9 +7,11 @@ Three classes implement it, each with the same results and exceptions:
 * :class:`millpond.sharded.buffer.ShardedBuffer`: a buffer spread over daemons.
 
 A handle (:class:`millpond.handle.buffer.Buffer`) binds the reference API's
-arguments to field names and calls these methods; a backend checks the
-arguments itself (the engine because a daemon serves untrusted callers with
-it, the others before anything is sent).
+arguments to field names, checks them once, and calls these methods. The
+remote and sharded backends rely on that (a sharded buffer's shards do not
+check again); writes are validated where they are encoded
+(:mod:`millpond.remote.writes`). The engine checks everything itself: a daemon
+serves untrusted callers with it.
 """
 
 from __future__ import annotations

@@ -32,9 +32,16 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from millpond.core.checks import check_batch_size, check_count, check_seed
-from millpond.core.config import BufferConfig, ConfigAccessors
-from millpond.core.episode_checks import check_fields
+from millpond.core.checks import (
+    check_batch_size,
+    check_count,
+    check_indices,
+    check_priorities,
+    check_seed,
+    check_timeout,
+)
+from millpond.core.config import BufferConfig, ConfigAccessors, check_exponent
+from millpond.core.episode_checks import MAX_WINDOW, check_fields, check_filter, check_n_step
 from millpond.core.episodes import check_meta, record_ends
 from millpond.core.info import BufferInfo
 from millpond.errors import FieldMismatchError, InvalidArgumentError
@@ -156,12 +163,14 @@ class Buffer(ConfigAccessors):
             check_device(device)
             return to_device(self.sample(batch_size, seed, timeout=timeout, n_step=n_step,
                                          gamma=gamma, filter_meta=filter_meta), device)
+        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+        timeout, wanted = check_timeout(timeout), check_filter(self.config, filter_meta)
         if n_step is not None:
+            n_step, gamma = check_n_step(self.config, n_step, gamma)
             return self._backend.sample_n_step(batch_size, n_step, gamma, seed,
-                                               filter_meta=filter_meta, timeout=timeout)
-        if filter_meta:
-            return self._backend.sample(batch_size, seed, timeout=timeout,
-                                        filter_meta=filter_meta)
+                                               filter_meta=wanted, timeout=timeout)
+        if wanted:
+            return self._backend.sample(batch_size, seed, timeout=timeout, filter_meta=wanted)
         return self._backend.sample(batch_size, seed, timeout=timeout)
 
     def flush(self) -> None:
@@ -362,8 +371,12 @@ class Buffer(ConfigAccessors):
         tensors on it (see :mod:`millpond.handle.devices`).
         """
         check_device(device)
+        self._require_episodes()
+        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+        seq_len = check_count("seq_len", seq_len, MAX_WINDOW)
         return to_device(self._backend.sample_sequences(
-            batch_size, seq_len, seed, filter_meta=filter_meta, timeout=timeout), device)
+            batch_size, seq_len, seed, filter_meta=check_filter(self.config, filter_meta),
+            timeout=check_timeout(timeout)), device)
 
     def sample_trajectories(self, batch_size: int, seq_len: int, seed: int | None = None, *,
                             filter_meta: Mapping[str, Any] | None = None,
@@ -376,20 +389,24 @@ class Buffer(ConfigAccessors):
                         max_len: int | None = None, filter_meta: Mapping[str, Any] | None = None,
                         timeout: float | None = None) -> dict[str, np.ndarray]:
         """``batch_size`` complete live episodes, padded (``mask``, ``lens``, meta fields)."""
-        return self._backend.sample_episodes(batch_size, seed, max_len=max_len,
-                                             filter_meta=filter_meta, timeout=timeout)
+        self._require_episodes()
+        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+        if max_len is not None:
+            max_len = check_count("max_len", max_len, MAX_WINDOW)
+        return self._backend.sample_episodes(
+            batch_size, seed, max_len=max_len, filter_meta=check_filter(self.config, filter_meta),
+            timeout=check_timeout(timeout))
 
     def episode_catalog(self, filter_meta: Mapping[str, Any] | None = None
                         ) -> dict[str, np.ndarray]:
         """The complete live episodes in episode order: ``episode_ids``, ``lens``, meta
         fields and ``seqs`` (their records, for :meth:`read`)."""
-        self._flush()
-        return self._backend.episode_catalog(filter_meta)
+        self._require_episodes()
+        return self._backend.episode_catalog(check_filter(self.config, filter_meta))
 
     def read(self, seqs: Any, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Records by index (``seqs``), and ``live``: which were still there."""
-        self._flush()
-        return self._backend.read(seqs, fields)
+        return self._backend.read(check_indices(seqs, "seqs"), check_fields(self.config, fields))
 
     def dataloader(self, batch_size: int, n_steps: int | None = None,
                    fields: Sequence[str] | None = None,
@@ -426,7 +443,8 @@ class Buffer(ConfigAccessors):
         nothing. Not a sample: it waits for no rate limiter and counts no use
         (``max_times_sampled``); a queue keeps its records."""
         check_device(device)  # before the read: a bad device costs no round trip
-        batch = self._backend.read(indices, fields, positions=True)
+        batch = self._backend.read(check_indices(indices, "positions"),
+                                   check_fields(self.config, fields), positions=True)
         del batch["live"]  # every position names a live record
         return to_device(batch, device)
 
@@ -513,11 +531,12 @@ class PrioritizedBuffer(Buffer):
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """New priorities for sampled ``indices``; returns how many were still live."""
-        return self._backend.update_priorities(indices, priorities)
+        seqs = check_indices(indices)
+        return self._backend.update_priorities(seqs, check_priorities(priorities, len(seqs)))
 
     def set_beta(self, beta: float) -> None:
         """Set the importance-sampling exponent (anneal it towards 1)."""
-        self._backend.set_beta(beta)
+        self._backend.set_beta(check_exponent("beta", beta))
 
 
 def handle_for(backend: Backend) -> Buffer:

@@ -2,9 +2,11 @@
 
 :class:`RemoteBuffer` has the methods of the engine's
 :class:`~millpond.core.TieredBuffer`, so the public handles
-(:mod:`millpond.handle.buffer`) wrap either one. Input is validated here with the
-same checks the engine uses (bad input fails before it costs a round trip,
-with the same exception), and again by the server, which trusts nothing.
+(:mod:`millpond.handle.buffer`) wrap either one. The handle checks the
+arguments of every call once, before it reaches a backend (bad input fails
+before it costs a round trip, with the engine's exception); writes are
+validated here, as they are encoded (:mod:`millpond.remote.writes`); the
+server checks everything again, trusting nothing.
 Bulk calls go through the connection's transport seam
 (:meth:`~millpond.remote.connection.Connection.call`).
 """
@@ -15,22 +17,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from millpond.core.checks import (
-    check_batch_size,
-    check_count,
-    check_indices,
-    check_priorities,
-    check_seed,
-    check_timeout,
-)
-from millpond.core.config import BufferConfig, ConfigAccessors, check_exponent
+from millpond.core.config import BufferConfig, ConfigAccessors
 from millpond.core.episode_checks import (
-    MAX_WINDOW,
-    check_fields,
-    check_filter,
-    check_n_step,
     check_updates,
-    require_episodes,
 )
 from millpond.core.episodes import EPISODE_COLUMN
 from millpond.core.info import BufferInfo
@@ -139,18 +128,15 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
         """New priorities for sampled records; returns how many were still live."""
         self._check_open()
         self._check_priorities_allowed(True)
-        seqs = check_indices(indices)
-        values = check_priorities(priorities, len(seqs))
         self.flush()
-        return self._client.connection.call("update_priorities", self.name, seqs, values,
+        return self._client.connection.call("update_priorities", self.name, indices, priorities,
                                             self._client.timeout)
 
     def set_beta(self, beta: float) -> None:
         self._check_open()
         self._check_priorities_allowed(True)
         self.flush()
-        self._client.connection.call("set_beta", self.name, check_exponent("beta", beta),
-                                     self._client.timeout)
+        self._client.connection.call("set_beta", self.name, beta, self._client.timeout)
 
     # ---- reads ----------------------------------------------------------------
 
@@ -162,21 +148,17 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
         ``timeout``: as for :meth:`push_batch`. ``filter_meta``: episodic buffers.
         """
         self._check_open()
-        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
-        wanted = check_filter(self.config, filter_meta)
-        wait, deadline = self._client.budget(check_timeout(timeout), self._may_wait)
+        wait, deadline = self._client.budget(timeout, self._may_wait)
         self.flush()
         return self._client.connection.call(
             "sample", self.name, self.schema, batch_size, seed,
-            self.config.prioritized is not None, wait, deadline, wanted)
+            self.config.prioritized is not None, wait, deadline, filter_meta or None)
 
     def sample_n_step(self, batch_size: int, n_step: int, gamma: float = 0.99,
                       seed: int | None = None, *, filter_meta: Mapping[str, Any] | None = None,
                       timeout: float | None = None) -> dict[str, np.ndarray]:
         """n-step transitions, drawn on the server (see the engine's ``sample_n_step``)."""
         self._check_open()
-        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
-        n_step, gamma = check_n_step(self.config, n_step, gamma)
         return self._episodic("sample_n_step", batch_size, timeout, filter_meta,
                               n_step=n_step, gamma=gamma, seed=seed)
 
@@ -185,8 +167,6 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
                          timeout: float | None = None) -> dict[str, np.ndarray]:
         """Windows of episodes, drawn on the server (see the engine's ``sample_sequences``)."""
         self._check_open()
-        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
-        seq_len = check_count("seq_len", seq_len, MAX_WINDOW)
         return self._episodic("sample_sequences", batch_size, timeout, filter_meta,
                               seq_len=seq_len, seed=seed)
 
@@ -196,42 +176,32 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
         """Complete episodes, drawn on the server. Over gRPC whatever the transport:
         their size is known only once drawn."""
         self._check_open()
-        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
-        if max_len is not None:
-            max_len = check_count("max_len", max_len, MAX_WINDOW)
         return self._episodic("sample_episodes", batch_size, timeout, filter_meta,
                               max_len=max_len, seed=seed)
 
     def _episodic(self, op: str, batch_size: int, timeout: float | None,
                   filter_meta: Mapping[str, Any] | None, **params: Any) -> dict[str, np.ndarray]:
-        require_episodes(self.config)
-        wanted = check_filter(self.config, filter_meta)
-        wait, deadline = self._client.budget(check_timeout(timeout), self._may_wait)
+        wait, deadline = self._client.budget(timeout, self._may_wait)
         self.flush()
         connection = self._client.connection
         call = connection.grpc_call if op == "sample_episodes" else connection.call
-        return call(op, self.name, self.config, batch_size, wanted, params, wait, deadline)
+        return call(op, self.name, self.config, batch_size, filter_meta or None, params, wait,
+                    deadline)
 
     def episode_catalog(self, filter_meta: Mapping[str, Any] | None = None
                         ) -> dict[str, np.ndarray]:
         """The complete live episodes (see the engine's ``episode_catalog``), over gRPC."""
         self._check_open()
-        require_episodes(self.config)
-        wanted = check_filter(self.config, filter_meta)
         self.flush()
         return self._client.connection.grpc_call("episode_catalog", self.name, self.config,
-                                                 wanted, self._client.timeout)
+                                                 filter_meta or None, self._client.timeout)
 
     def read(self, seqs: Any, fields: Any = None, *, positions: bool = False,
              episode_ids: bool = False) -> dict[str, np.ndarray]:
         """Records by index or position, and ``live`` (see the engine's ``read``)."""
         self._check_open()
-        wanted = check_indices(seqs, "positions" if positions else "seqs")
-        names = check_fields(self.config, fields)
-        if episode_ids:
-            require_episodes(self.config)
         self.flush()
-        return self._client.connection.call("read", self.name, self.config, wanted, names,
+        return self._client.connection.call("read", self.name, self.config, seqs, fields,
                                             self._client.timeout, positions, episode_ids)
 
     def contents(self, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
@@ -286,7 +256,7 @@ def read_all(backend: "RemoteBuffer | ShardedBuffer", fields: Sequence[str] | No
     resolved by the daemon under the buffer's lock. With pushes going on meanwhile,
     records evicted between two reads shift the positions of the next one."""
     config = backend.config
-    names = check_fields(config, fields)
+    names = list(fields) if fields is not None else None  # (checked by the handle)
     schema = config.schema
     n = len(backend)
     step = backend.read_chunk(sum(schema[name].nbytes for name in names or schema.names) + 1)

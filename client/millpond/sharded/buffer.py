@@ -55,23 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from millpond.core.checks import (
-    check_batch_size,
-    check_count,
-    check_indices,
-    check_priorities,
-    check_seed,
-    check_timeout,
-)
-from millpond.core.config import BufferConfig, ConfigAccessors, check_exponent
-from millpond.core.episode_checks import (
-    MAX_WINDOW,
-    check_fields,
-    check_filter,
-    check_n_step,
-    check_updates,
-    require_episodes,
-)
+from millpond.core.config import BufferConfig, ConfigAccessors
 from millpond.core.info import BufferInfo, ShardInfo
 from millpond.errors import (
     BufferNotFoundError,
@@ -200,9 +184,8 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
         Updates meant for a shard that does not answer are dropped (not counted)."""
         self._check_open()
         self._check_priorities_allowed(True)
-        indices = check_indices(indices)
-        values = check_priorities(priorities, len(indices))
-        shards, seqs = decode_indices(indices, self._client.shards)
+        values = np.asarray(priorities)  # (checked by the handle)
+        shards, seqs = decode_indices(np.asarray(indices), self._client.shards)
         self.flush()
         rows = {int(s): np.flatnonzero(shards == s) for s in np.unique(shards)}
         updated, errors = self._client.fan_out(
@@ -214,7 +197,7 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
         """Set beta on every live shard (down ones get it when they are back)."""
         self._check_open()
         self._check_priorities_allowed(True)
-        self._beta = beta = check_exponent("beta", beta)
+        self._beta = beta
         _, errors = self._client.fan_out(self._client.live(),
                                          lambda s: self.remotes[s].set_beta(beta))
         raise_answered(errors)
@@ -228,8 +211,7 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
         ``filter_meta`` (episodic buffers): a shard with no matching record gives its
         draws to the others."""
         self._check_open()
-        k, seed, timeout = check_batch_size(batch_size), check_seed(seed), check_timeout(timeout)
-        check_filter(self.config, filter_meta)
+        k = batch_size
         options = {"filter_meta": filter_meta} if filter_meta else {}
         self.flush()
         if self._client.shards == 1:  # one shard: its own draw is the draw
@@ -365,15 +347,13 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
         """Apply ``(episode id, meta, end)`` updates on this handle's shard (where its
         episodes are), after the pushes queued before."""
         self._check_open()
-        checked = check_updates(self.config, updates)
         self.flush()
-        self.remotes[self._home].update_episodes(checked)
+        self.remotes[self._home].update_episodes(updates)  # (which checks them)
 
     def sample_n_step(self, batch_size: int, n_step: int, gamma: float = 0.99,
                       seed: int | None = None, *, filter_meta: Mapping[str, Any] | None = None,
                       timeout: float | None = None) -> dict[str, np.ndarray]:
         """n-step transitions drawn over the shards (see the engine's ``sample_n_step``)."""
-        n_step, gamma = check_n_step(self.config, n_step, gamma)
         return self._episodic_draw(batch_size, seed, filter_meta, timeout, "records",
                                    lambda remote, count, sd, options: remote.sample_n_step(
                                        count, n_step, gamma, sd, **options))
@@ -382,7 +362,6 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
                          seed: int | None = None, *, filter_meta: Mapping[str, Any] | None = None,
                          timeout: float | None = None) -> dict[str, np.ndarray]:
         """Windows of episodes drawn over the shards (see the engine's ``sample_sequences``)."""
-        seq_len = check_count("seq_len", seq_len, MAX_WINDOW)
         return self._episodic_draw(batch_size, seed, filter_meta, timeout, "starts",
                                    lambda remote, count, sd, options: remote.sample_sequences(
                                        count, seq_len, sd, **options))
@@ -394,8 +373,6 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
                         timeout: float | None = None) -> dict[str, np.ndarray]:
         """Complete episodes drawn over the shards, each equally likely (see the engine's
         ``sample_episodes``), padded to the longest drawn (or ``max_len``)."""
-        if max_len is not None:
-            max_len = check_count("max_len", max_len, MAX_WINDOW)
         return self._episodic_draw(batch_size, seed, filter_meta, timeout, "episodes",
                                    lambda remote, count, sd, options: remote.sample_episodes(
                                        count, sd, max_len=max_len, **options))
@@ -404,13 +381,11 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
                        filter_meta: Mapping[str, Any] | None, timeout: float | None,
                        draws: str, call: Callable[..., dict[str, np.ndarray]]
                        ) -> dict[str, np.ndarray]:
-        """Validate, then ``call(remote, count, seed, options)`` on each shard drawn, and
-        merge. ``draws``: ``"records"`` like :meth:`sample` (at most the records held),
+        """``call(remote, count, seed, options)`` on each shard drawn, and merge.
+        ``draws``: ``"records"`` like :meth:`sample` (at most the records held),
         ``"starts"`` with replacement, or ``"episodes"`` over complete episodes."""
         self._check_open()
-        require_episodes(self.config)
-        k, seed, timeout = check_batch_size(batch_size), check_seed(seed), check_timeout(timeout)
-        check_filter(self.config, filter_meta)
+        k = batch_size
         options: dict[str, Any] = {"timeout": timeout}
         if filter_meta:
             options["filter_meta"] = filter_meta
@@ -435,8 +410,6 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
                         ) -> dict[str, np.ndarray]:
         """Every live shard's catalog, shard after shard; ``seqs`` carry their shard."""
         self._check_open()
-        require_episodes(self.config)
-        check_filter(self.config, filter_meta)
         self.flush()
         shards = sorted(self._live_infos())
         got, errors = self._client.fan_out(
@@ -451,10 +424,7 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
         or by position (see the module docstring), in the order given, and ``live``.
         A shard that does not answer raises: its records cannot be read elsewhere."""
         self._check_open()
-        wanted = check_indices(seqs, "positions" if positions else "seqs")
-        names = check_fields(self.config, fields)
-        if episode_ids:
-            require_episodes(self.config)
+        wanted, names = np.asarray(seqs, np.int64), fields  # (checked by the handle)
         self.flush()
         if positions:
             shards, local = self._positions(wanted)
