@@ -271,7 +271,7 @@ def test_progress_bar_draws_on_a_terminal_only(tmp_path):
         with ProgressBar(200, "storing test", stream=tty, delay=0, interval=0) as bar:
             for done in range(0, 201, 50):
                 bar(done)
-    drawn = os.read(master, 65536).decode()
+    drawn = _read_all(master)
     os.close(master)
     assert "storing test" in drawn and "100%" in drawn and "200/200 records" in drawn
     assert drawn.endswith("\n") or drawn.endswith("\r\n")
@@ -299,3 +299,19 @@ def test_device_gives_normalized_tensors():
     np.testing.assert_array_equal(out["obs"].numpy(), buf.sample(8, seed=0)["obs"])
     traj = buf.sample_trajectories(4, 3, seed=0, device="cpu")
     assert isinstance(traj["timesteps"], torch.Tensor) and traj["obs"].shape == (4, 3, 3)
+
+
+def _read_all(master: int) -> str:
+    """Everything written to a pty whose other end is closed (one read may return only
+    part of it: read until the end, EIO on Linux)."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode()
+

@@ -83,7 +83,8 @@ class Operations:
             self.observer.wait(buffer, kind, seconds)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the engine pool: for calls on no one buffer (create, list)."""
+        """``fn(*args)`` on the engine pool: calls on no one buffer (create, list, info)
+        and the decoding of large requests (never on the loop)."""
         assert self.loop is not None
         return await self.loop.run_in_executor(self.executor, fn, *args)
 

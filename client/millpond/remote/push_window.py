@@ -58,11 +58,6 @@ class PushWindow:
         self._lock = threading.Lock()
         _LIVE.add(self)
 
-    @property
-    def in_flight(self) -> int:
-        """Pushes sent and not yet acknowledged."""
-        return len(self._pending)
-
     def send(self, request: bytes, deadline: float) -> None:
         """Send ``request`` (a framed PushBatchRequest), to be acknowledged within
         ``deadline`` seconds; see the module docstring. Raises the failure of an
