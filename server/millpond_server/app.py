@@ -6,6 +6,8 @@ import asyncio
 import gc
 import logging
 import os
+import resource
+import secrets
 import signal
 import sys
 import threading
@@ -18,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from millpond.errors import StorageIOError
 from millpond.remote.malloc import tune_malloc_for_large_messages
 
-from .auth import load_auth, server_credentials
+from .auth import load_auth, reload_tokens, server_credentials
 from .config import ServeConfig
 from .fatal import fatal_storage_error
 from .metrics import start_metrics
@@ -29,6 +31,8 @@ from .service import SERVICE_NAME, ReplayService, add_to_server
 from .shm_listener import FastPathServer
 
 log = logging.getLogger("millpond.server")
+# Where the hard limit of open files is unlimited, the soft one is raised to this.
+OPEN_FILES_CEILING = 1 << 20
 
 def start_fastpath(cfg: ServeConfig, ops: Operations) -> tuple[FastPathServer | None, str]:
     """Start the shared-memory fast path, or say why it is off."""
@@ -75,10 +79,32 @@ def _local_address(host: str, port: int) -> str:
 
 
 def _write_address_file(path: Path, address: str) -> None:
-    """``--address-file``: replace ``path`` atomically (a reader sees all of it or none)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(address + "\n")
-    os.replace(tmp, path)
+    """``--address-file``: replace ``path`` atomically (a reader sees all of it or none).
+    The temporary file has an unguessable name and is created, never opened: nothing
+    planted in the directory (a symlink) is followed."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(address + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft limit of open files to its hard limit (each client
+    connection, stream and fast-path session holds descriptors); ``(before, after)``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, OPEN_FILES_CEILING)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            return soft, soft
+        return soft, target
+    return soft, soft
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -90,6 +116,9 @@ async def serve(cfg: ServeConfig) -> int:
     "serving on" line printed.
     """
     auth, credentials = load_auth(cfg), server_credentials(cfg)  # ConfigError: exit 2
+    before, after = raise_open_files_limit()
+    log.info("open files limit", extra={"kv": {"soft": after, "raised_from": before}}
+             if after != before else {"kv": {"soft": after}})
     malloc_tuned = tune_malloc_for_large_messages()
     registry = Registry(cfg.data_dir, sync_every_push=cfg.sync == "always",
                         skip_corrupt=cfg.recover == "skip-corrupt", max_buffers=cfg.max_buffers,
@@ -125,6 +154,7 @@ async def serve(cfg: ServeConfig) -> int:
             return 1
         await server.start()
         stop = _stop_on_signals(cfg)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_tokens, cfg, auth)
 
         loop = asyncio.get_running_loop()
         _freeze_startup_objects()

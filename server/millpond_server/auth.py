@@ -107,12 +107,19 @@ class Auth:
     """
 
     def __init__(self, tokens: dict[str, str] | None = None, mtls: bool = False):
-        # Digests, so every comparison takes the same time whatever the lengths.
-        self._tokens = [(_digest(token), role) for token, role in (tokens or {}).items()]
         self.mtls = mtls
-        self.enabled = bool(self._tokens) or mtls
+        self.replace_tokens(tokens or {})
         self._tickets: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._lock = threading.Lock()
+
+    def replace_tokens(self, tokens: dict[str, str]) -> None:
+        """Use ``tokens`` (token -> role) from now on (SIGHUP: see :func:`reload_tokens`).
+        One reference swap: a call checks against the old table or the new one."""
+        # Digests, so every comparison takes the same time whatever the lengths.
+        digests = [(_digest(token), role) for token, role in tokens.items()]
+        self.roles = sorted(role for _, role in digests)  # what a reload reports: no tokens
+        self._tokens = digests
+        self.enabled = bool(digests) or self.mtls
 
     # ---- who is calling -------------------------------------------------------------
 
@@ -215,8 +222,8 @@ def bearer_token(metadata: Iterable[Any] | None) -> str | None:
 
 # ---- start-up: configuration ---------------------------------------------------------
 
-def load_auth(cfg: ServeConfig) -> Auth:
-    """The daemon's :class:`Auth`; ConfigError (exit 2) for bad or unsafe settings."""
+def _configured_tokens(cfg: ServeConfig) -> dict[str, str]:
+    """token -> role from ``--token`` and ``--token-file``; ConfigError if bad."""
     tokens: dict[str, str] = {}
     if cfg.token is not None:
         _check_token(cfg.token, TOKEN_ENV)
@@ -227,6 +234,42 @@ def load_auth(cfg: ServeConfig) -> Auth:
                 raise ConfigError(f"{where}: this token is already given the {tokens[token]!r} "
                                   "role; each token has one role")
             tokens[token] = role
+    return tokens
+
+
+def reload_tokens(cfg: ServeConfig, auth: Auth) -> bool:
+    """SIGHUP: read ``--token-file`` again and use its tokens from now on (a revoked
+    token is refused at once, no restart). A file that does not load, or that would
+    leave a daemon bound beyond loopback without authentication, changes nothing and
+    is logged. Logs how many tokens of each role there are, never a token. Whether the
+    tokens changed."""
+    if cfg.token_file is None:
+        log.warning("SIGHUP: no --token-file to reload; nothing changed")
+        return False
+    try:
+        tokens = _configured_tokens(cfg)
+    except (ConfigError, OSError) as exc:
+        log.error("SIGHUP: the token file did not load; the tokens in use stay",
+                  extra={"kv": {"error": exc}})
+        return False
+    if not tokens and not auth.mtls and not cfg.insecure and not is_loopback(cfg.host):
+        log.error("SIGHUP: the token file holds no token; serving beyond loopback without "
+                  "authentication is refused, the tokens in use stay")
+        return False
+    before = auth.roles
+    auth.replace_tokens(tokens)
+    log.info("tokens reloaded", extra={"kv": {
+        "before": _role_counts(before), "after": _role_counts(auth.roles)}})
+    return True
+
+
+def _role_counts(roles: list[str]) -> str:
+    return ",".join(f"{role}:{roles.count(role)}" for role in sorted(set(roles))) or "none"
+
+
+def load_auth(cfg: ServeConfig) -> Auth:
+    """The daemon's :class:`Auth`; ConfigError (exit 2) for bad or unsafe settings."""
+    tokens = _configured_tokens(cfg)
     auth = Auth(tokens, mtls=cfg.tls_client_ca is not None)
     log.info("authentication", extra={"kv": {
         "on": auth.enabled, "tokens": len(tokens), "client_certificates": auth.mtls,

@@ -21,20 +21,39 @@ FORMATS = ("text", "json")
 CALL: contextvars.ContextVar[Any] = contextvars.ContextVar("millpond_call", default=None)
 
 
+# A value longer than this is cut (a client chooses what a buffer name holds).
+MAX_VALUE_CHARS = 256
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(c: str) -> str:
+    if c in _ESCAPES:
+        return _ESCAPES[c]
+    return c if c.isprintable() or c == " " else f"\\u{ord(c):04x}"
+
+
 def _kv(key: str, value: Any) -> str:
+    """``key=value``, quoted when needed; control characters (a terminal's escapes, a
+    carriage return that would forge a line) are written as escapes, never raw."""
     text = str(value)
-    if text == "" or any(c in text for c in ' "=\n\t'):
-        text = '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if text == "" or not text.isprintable() or any(c in text for c in ' "='):
+        text = '"' + "".join(_escape(c) for c in text) + '"'
     return f"{key}={text}"
+
+
+def _bounded(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > MAX_VALUE_CHARS:
+        return f"{value[:MAX_VALUE_CHARS]}...({len(value):,} characters)"
+    return value
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
     """The record's own key/values, then those of the call it was logged in."""
-    fields = dict(getattr(record, "kv", None) or {})
+    fields = {key: _bounded(value) for key, value in (getattr(record, "kv", None) or {}).items()}
     call = CALL.get()
     if call is not None:
         for key, value in call.fields().items():
-            fields.setdefault(key, value)
+            fields.setdefault(key, _bounded(value))
     return fields
 
 
