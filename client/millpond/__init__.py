@@ -38,7 +38,7 @@ _EXPORTS = {
         "InvalidArgumentError", "InvalidBatchSizeError", "InvalidConfigError",
         "MessageTooLargeError", "NotEnoughDataError", "RateLimitTimeoutError",
         "ReadOnlyBufferError", "ReplayError",
-        "ServerStartingError", "ServerUnavailableError", "ShapeMismatchError",
+        "ProtocolError", "ServerStartingError", "ServerUnavailableError", "ShapeMismatchError",
         "SharedMemoryError", "StorageFullError", "StorageIOError",
     ), "errors"),
 }

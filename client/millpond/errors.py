@@ -188,6 +188,14 @@ class PermissionDeniedError(ReplayError, PermissionError):
     code = "PERMISSION_DENIED"
 
 
+class ProtocolError(ReplayError):
+    """A server's reply does not match the request or the buffer (rows, columns,
+    dtypes, shapes, an impossible size): the client refuses it rather than hand out
+    wrong data. Raised by the client; a server never sends it."""
+
+    code = "PROTOCOL_ERROR"
+
+
 class InternalError(ReplayError, RuntimeError):
     """The server failed in a way that is a bug, not the caller's fault."""
 

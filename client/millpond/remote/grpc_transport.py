@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import grpc
 import numpy as np
@@ -32,9 +32,15 @@ import numpy as np
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo
 from millpond.core.schema import Schema
-from millpond.errors import DeadlineExceededError, MessageTooLargeError, ServerStartingError
+from millpond.errors import (
+    DeadlineExceededError,
+    MessageTooLargeError,
+    ProtocolError,
+    ServerStartingError,
+)
 from millpond.remote.grpc_streams import ThreadStreams
 from millpond.remote.push_window import PushWindow
+from millpond.remote.shm.protocol import SAMPLE_EXTRAS
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc as pb_grpc
 from millpond.wire.codec import config_to_proto, info_from_proto
@@ -71,6 +77,7 @@ class GrpcTransport:
                  metadata: tuple[tuple[str, str], ...] | None = None, address: str = ""):
         self.max_message_bytes = max_message_bytes
         self.metadata = metadata
+        self.address = address  # named in the errors of replies that do not check
         self.channel = channel
         self.stub = pb_grpc.ReplayStub(channel)
         self._push_batch = channel.unary_unary(
@@ -189,7 +196,28 @@ class GrpcTransport:
                                        timeout=timeout, filter_meta=encode_meta(filter_meta)
                                        ).SerializeToString()
         small = batch_size * schema.record_nbytes <= STREAMED_MAX_BYTES
-        return self._columns(self.invoke(self._sample, request, deadline, small))
+        columns = self._columns(self.invoke(self._sample, request, deadline, small))
+        expected = {f.name: (f.dtype, f.shape) for f in schema}
+        if extras:
+            expected.update({name: (dtype, ()) for name, dtype in SAMPLE_EXTRAS.items()})
+        return self._checked(columns, expected, batch_size, f"sample({batch_size})")
+
+    def _checked(self, columns: dict[str, np.ndarray],
+                 expected: Mapping[str, tuple[np.dtype, tuple[int, ...]]], rows: int,
+                 what: str) -> dict[str, np.ndarray]:
+        """``columns`` if they are exactly ``expected`` (name -> dtype, per-row shape) with
+        ``rows`` rows each; else ProtocolError (the client trusts no reply)."""
+        if columns.keys() != expected.keys():
+            raise ProtocolError(
+                f"the server at {self.address or '?'} answered {what} with columns "
+                f"{sorted(columns)[:20]}, not {sorted(expected)}")
+        for name, (dtype, shape) in expected.items():
+            column = columns[name]
+            if column.dtype != dtype or column.shape != (rows, *shape):
+                raise ProtocolError(
+                    f"the server at {self.address or '?'} answered {what} with {name} "
+                    f"{column.dtype}{list(column.shape)}, not {np.dtype(dtype)}{[rows, *shape]}")
+        return columns
 
     def _columns(self, reply: bytes) -> dict[str, np.ndarray]:
         """The arrays of a reply framed like a SampleReply."""
@@ -240,7 +268,14 @@ class GrpcTransport:
              ) -> dict[str, np.ndarray]:
         request = pb.ReadRequest(name=buffer, seqs=seqs.tolist(), fields=names or [],
                                  positions=positions, episode_ids=episode_ids)
-        return self._columns(self.invoke(self._bytes["Read"], request, deadline))
+        columns = self._columns(self.invoke(self._bytes["Read"], request, deadline))
+        schema = config.schema
+        expected = {name: (schema[name].dtype, schema[name].shape)
+                    for name in names or schema.names}
+        expected["live"] = (np.dtype(bool), ())
+        if episode_ids:
+            expected["episode_ids"] = (np.dtype(np.int64), ())
+        return self._checked(columns, expected, len(seqs), f"read of {len(seqs)} records")
 
     def reset(self, buffer: str, deadline: float) -> None:
         self.invoke(self.stub.Reset, pb.ResetRequest(name=buffer), deadline)
@@ -268,7 +303,18 @@ class GrpcTransport:
         return info_from_proto(reply.info), reply.created
 
     def info(self, name: str, deadline: float) -> BufferInfo:
-        return info_from_proto(self.invoke(self.stub.Info, pb.InfoRequest(name=name), deadline))
+        return self._checked_info(info_from_proto(
+            self.invoke(self.stub.Info, pb.InfoRequest(name=name), deadline)))
+
+    def _checked_info(self, info: BufferInfo) -> BufferInfo:
+        """``info`` if its sizes are possible; else ProtocolError (a size beyond the
+        capacity would skew every draw over shards)."""
+        if not 0 <= info.size <= min(info.total_capacity, info.pushed):
+            raise ProtocolError(
+                f"the server at {self.address or '?'} reported buffer {info.name!r} holding "
+                f"{info.size:,} records, with capacity {info.total_capacity:,} and "
+                f"{info.pushed:,} pushed")
+        return info
 
     def list(self, deadline: float) -> list[BufferInfo]:
         reply = self.invoke(self.stub.List, pb.ListRequest(), deadline)
