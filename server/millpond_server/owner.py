@@ -33,6 +33,7 @@ from concurrent.futures import Executor
 from typing import Any, Callable, TypeVar
 
 from millpond.core import BufferInfo, TieredBuffer
+from millpond.core.ratelimit import WaitCounts
 from millpond.errors import RateLimitTimeoutError
 
 from .waits import WaitingCalls, WouldWait
@@ -45,7 +46,6 @@ INLINE_SLOW_S = 0.005
 INLINE_BACKOFF_S = 1.0
 # How often a session thread whose call is parked checks that its client is still there.
 HANGUP_POLL_S = 0.2
-KINDS = ("insert", "sample")
 
 
 class BufferOwner:
@@ -68,9 +68,7 @@ class BufferOwner:
         self._pooled_until = 0.0  # small operations go to the pool until then
         self._parked = 0
         self._completed = asyncio.Event()  # set (and replaced) when an operation completes
-        self._waits = dict.fromkeys(KINDS, 0)  # waits that ended
-        self._waited = dict.fromkeys(KINDS, 0.0)
-        self._waiting_now = dict.fromkeys(KINDS, 0)
+        self.waits = WaitCounts()  # of the calls parked here
 
     # ---- running operations ------------------------------------------------------------
 
@@ -145,7 +143,7 @@ class BufferOwner:
         start = loop.time()
         deadline = None if budget is None else start + budget
         self._parked += 1
-        self._waiting_now[wait.kind] += 1
+        self.waits.started(wait.kind)
         try:
             while True:
                 completed = self._completed  # before the try: a completion after it sets this
@@ -163,24 +161,14 @@ class BufferOwner:
         finally:
             waited = loop.time() - start
             self._parked -= 1
-            self._waiting_now[wait.kind] -= 1
-            self._waits[wait.kind] += 1
-            self._waited[wait.kind] += waited
+            self.waits.finished(wait.kind, waited)
             self._waiting.stop(held)
             if self._observe is not None:
                 self._observe(self.buffer, wait.kind, waited)
 
-    def wait_stats(self) -> dict[str, Any]:
-        """The :class:`BufferInfo` fields of the waits parked here."""
-        return {"insert_waits": self._waits["insert"], "sample_waits": self._waits["sample"],
-                "insert_wait_seconds": self._waited["insert"],
-                "sample_wait_seconds": self._waited["sample"],
-                "waiting_inserts": self._waiting_now["insert"],
-                "waiting_samples": self._waiting_now["sample"]}
-
     def with_waits(self, info: BufferInfo) -> BufferInfo:
         """``info`` (the engine's) with the waits parked here added."""
-        stats = self.wait_stats()
+        stats = self.waits.stats()
         return dataclasses.replace(info, **{key: getattr(info, key) + value
                                             for key, value in stats.items()})
 

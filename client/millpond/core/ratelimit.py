@@ -137,6 +137,36 @@ def Queue(size: int) -> RateLimiter:  # noqa: N802
     return RateLimiter(1.0, 1, 0.0, float(size))
 
 
+class WaitCounts:
+    """Waits for a rate limiter, by kind ("insert", "sample"): those that ended, their
+    seconds, and those under way; as :class:`~.info.BufferInfo`'s fields. The engine
+    counts the waits of its own calls; a server counts those it parks."""
+
+    def __init__(self) -> None:
+        self.ended = {"insert": 0, "sample": 0}
+        self.seconds = {"insert": 0.0, "sample": 0.0}
+        self.now = {"insert": 0, "sample": 0}
+
+    def started(self, kind: str) -> None:
+        self.now[kind] += 1
+
+    def finished(self, kind: str, seconds: float) -> None:
+        self.now[kind] -= 1
+        self.ended[kind] += 1
+        self.seconds[kind] += seconds
+
+    def stats(self) -> dict[str, Any]:
+        """Finished waits, their total seconds, and the calls waiting now."""
+        return {
+            "insert_waits": self.ended["insert"],
+            "sample_waits": self.ended["sample"],
+            "insert_wait_seconds": self.seconds["insert"],
+            "sample_wait_seconds": self.seconds["sample"],
+            "waiting_inserts": self.now["insert"],
+            "waiting_samples": self.now["sample"],
+        }
+
+
 class RateState:
     """One buffer's counters, its waits, and the rule applied to them.
 
@@ -150,9 +180,7 @@ class RateState:
         self.inserts = 0
         self.samples = 0
         self.offset = 0.0  # added to the diff: a reopened buffer restarts mid-band
-        self.waits = {"insert": 0, "sample": 0}  # finished waits
-        self.waited = {"insert": 0.0, "sample": 0.0}
-        self.waiting = {"insert": 0, "sample": 0}  # calls waiting now
+        self.waits = WaitCounts()
 
     def restart(self, size: int, removes: bool) -> None:
         """After a reopen (counters are not persisted): where should the diff be?
@@ -216,7 +244,7 @@ class RateState:
                                         self.describe(size()))
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        self.wait_started(kind)
+        self.waits.started(kind)
         try:
             while not ready():
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -226,7 +254,7 @@ class RateState:
                 self._cond.wait(remaining)
                 still_open()
         finally:
-            self.wait_ended(kind, time.monotonic() - start)
+            self.waits.finished(kind, time.monotonic() - start)
 
     def _timed_out(self, kind: str, timeout: float | None, size: int) -> str:
         return (f"{kind} timed out after {timeout:g} s waiting for the rate limiter "
@@ -237,30 +265,11 @@ class RateState:
         if self.limiter is not None:
             self._cond.notify_all()
 
-    def wait_started(self, kind: str) -> None:
-        self.waiting[kind] += 1
-
-    def wait_ended(self, kind: str, seconds: float) -> None:
-        self.waiting[kind] -= 1
-        self.waits[kind] += 1
-        self.waited[kind] += seconds
-
     def stats(self) -> dict[str, Any]:
-        """Counters, the current ratio, and :meth:`wait_stats`."""
+        """Counters, the current ratio, and the waits (:meth:`WaitCounts.stats`)."""
         return {
             "inserts": self.inserts,
             "samples": self.samples,
             "samples_per_insert": self.samples / self.inserts if self.inserts else 0.0,
-            **self.wait_stats(),
-        }
-
-    def wait_stats(self) -> dict[str, Any]:
-        """Finished waits, their total seconds, and the calls waiting now."""
-        return {
-            "insert_waits": self.waits["insert"],
-            "sample_waits": self.waits["sample"],
-            "insert_wait_seconds": self.waited["insert"],
-            "sample_wait_seconds": self.waited["sample"],
-            "waiting_inserts": self.waiting["insert"],
-            "waiting_samples": self.waiting["sample"],
+            **self.waits.stats(),
         }
