@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -40,9 +41,12 @@ class ServerProcess:
     """
 
     def __init__(self, data_dir: Path, *extra_args: str, env: dict | None = None,
-                 cgroup: "MemoryCgroup | None" = None, script: str | os.PathLike | None = None):
+                 cgroup: "MemoryCgroup | None" = None, script: str | os.PathLike | None = None,
+                 log_file: Path | None = None, preexec_fn: Callable[[], None] | None = None):
         """``script``: a daemon script to run instead of ``-m millpond_server`` (a patched
-        daemon, taking the same arguments)."""
+        daemon, taking the same arguments). ``log_file``: its log (stderr) goes there, to
+        be read while it runs. ``preexec_fn``: run in the child before the daemon starts
+        (a cgroup's is run first)."""
         self.data_dir = Path(data_dir)
         self.cgroup = cgroup  # the daemon runs inside it
         self.args = [
@@ -52,17 +56,28 @@ class ServerProcess:
             *extra_args,
         ]
         self.env = {**os.environ, **(env or {})}
+        self.log_file = log_file
+        self.preexec_fn = preexec_fn
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None
 
     def start(self, timeout: float = 30.0) -> "ServerProcess":
         check_marked_daemon()
+        stderr = subprocess.PIPE if self.log_file is None else self.log_file.open("w")
         self.proc = subprocess.Popen(
-            self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
-            preexec_fn=None if self.cgroup is None else self.cgroup.enter,
+            self.args, stdout=subprocess.PIPE, stderr=stderr, text=True, env=self.env,
+            preexec_fn=self._preexec if self.cgroup or self.preexec_fn else None,
         )
+        if self.log_file is not None:
+            stderr.close()  # the child has its own copy
         self.address = wait_for_ready(self.proc, timeout)
         return self
+
+    def _preexec(self) -> None:
+        if self.cgroup is not None:
+            self.cgroup.enter()
+        if self.preexec_fn is not None:
+            self.preexec_fn()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         """Send ``sig`` and wait for exit; SIGKILL if it does not stop in time."""

@@ -10,12 +10,10 @@ import logging
 import os
 import resource
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from support import wait_for_ready, wait_until
+from support import ServerProcess, wait_until
 from test_auth import write_token_file
 
 import millpond
@@ -31,21 +29,12 @@ def _refused(address: str, token: str) -> bool:
     return False
 
 
-def _daemon(tmp_path: Path, *args: str, **popen: object) -> tuple[subprocess.Popen, str, Path]:
-    """A daemon whose log goes to a file the test can read while it runs."""
-    log = tmp_path / "daemon.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "millpond_server", "serve", "--port", "0",
-         "--data-dir", str(tmp_path / "data"), "--log-level", "info", *args],
-        stdout=subprocess.PIPE, stderr=log.open("w"), text=True, **popen)
-    return proc, wait_for_ready(proc, 30), log
-
-
 @pytest.mark.daemon
 def test_sighup_reloads_the_token_file_and_a_bad_one_changes_nothing(tmp_path):
-    tokens = write_token_file(tmp_path / "tokens", f"admin {OLD}\n")
-    proc, address, log = _daemon(tmp_path, "--token-file", str(tokens))
-    try:
+    tokens, log = write_token_file(tmp_path / "tokens", f"admin {OLD}\n"), tmp_path / "log"
+    with ServerProcess(tmp_path / "data", "--token-file", str(tokens), "--log-level", "info",
+                       log_file=log) as server:
+        address, proc = server.address, server.proc
         assert not _refused(address, OLD) and _refused(address, NEW)
         tokens.unlink()
         write_token_file(tokens, f"admin {NEW}\n")
@@ -57,9 +46,7 @@ def test_sighup_reloads_the_token_file_and_a_bad_one_changes_nothing(tmp_path):
         proc.send_signal(signal.SIGHUP)
         wait_until(lambda: "the token file did not load" in log.read_text(), timeout=10)
         assert not _refused(address, NEW) and proc.poll() is None  # nothing changed
-    finally:
-        proc.terminate()
-        assert proc.wait(30) == 0
+    assert server.proc.returncode == 0
     assert NEW not in log.read_text() and OLD not in log.read_text()  # never logged
 
 
@@ -72,14 +59,12 @@ def test_the_open_files_soft_limit_is_raised_to_the_hard_limit(tmp_path):
     def low_soft_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
 
-    proc, _, log = _daemon(tmp_path, preexec_fn=low_soft_limit)
-    try:
-        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+    log = tmp_path / "log"
+    with ServerProcess(tmp_path / "data", "--log-level", "info", log_file=log,
+                       preexec_fn=low_soft_limit) as server:
+        limits = Path(f"/proc/{server.proc.pid}/limits").read_text()
         line = next(row for row in limits.splitlines() if row.startswith("Max open files"))
         assert int(line.split()[3]) > 256, line
-    finally:
-        proc.terminate()
-        proc.wait(30)
     assert "raised_from=256" in log.read_text()
 
 

@@ -30,7 +30,7 @@ def test_a_shard_that_claims_an_impossible_size_is_refused(tmp_path):
     lying = ServerProcess(tmp_path / "lying", env={"MILLPOND_LIE": "size"}, script=LYING)
     with honest, lying:
         client = millpond.connect([honest.address, lying.address], shm=False)
-        buf = client.create_buffer("sizes", capacity=100, obs_dim=2, act_dim=1)
-        buf.push_batch(**transitions(0, 20))
-        with pytest.raises(millpond.ProtocolError, match=lying.address):
+        with pytest.raises(millpond.ProtocolError, match=lying.address):  # its Create's info
+            buf = client.create_buffer("sizes", capacity=100, obs_dim=2, act_dim=1)
+            buf.push_batch(**transitions(0, 20))
             buf.sample(8)

@@ -300,15 +300,15 @@ class GrpcTransport:
         """Create ``name`` (or attach to it); return its info and whether it is new."""
         request = pb.CreateRequest(name=name, config=config_to_proto(config))
         reply = self.invoke(self.stub.Create, request, deadline)
-        return info_from_proto(reply.info), reply.created
+        return self._info(reply.info), reply.created
 
     def info(self, name: str, deadline: float) -> BufferInfo:
-        return self._checked_info(info_from_proto(
-            self.invoke(self.stub.Info, pb.InfoRequest(name=name), deadline)))
+        return self._info(self.invoke(self.stub.Info, pb.InfoRequest(name=name), deadline))
 
-    def _checked_info(self, info: BufferInfo) -> BufferInfo:
-        """``info`` if its sizes are possible; else ProtocolError (a size beyond the
-        capacity would skew every draw over shards)."""
+    def _info(self, message: pb.BufferInfo) -> BufferInfo:
+        """The info in a reply, if its sizes are possible; else ProtocolError (a size
+        beyond the capacity would skew every draw over shards)."""
+        info = info_from_proto(message)
         if not 0 <= info.size <= min(info.total_capacity, info.pushed):
             raise ProtocolError(
                 f"the server at {self.address or '?'} reported buffer {info.name!r} holding "
@@ -318,7 +318,7 @@ class GrpcTransport:
 
     def list(self, deadline: float) -> list[BufferInfo]:
         reply = self.invoke(self.stub.List, pb.ListRequest(), deadline)
-        return [info_from_proto(info) for info in reply.buffers]
+        return [self._info(info) for info in reply.buffers]
 
     def delete(self, name: str, deadline: float) -> None:
         self.invoke(self.stub.Delete, pb.DeleteRequest(name=name), deadline)
