@@ -117,8 +117,10 @@ async def serve(cfg: ServeConfig) -> int:
     """
     auth, credentials = load_auth(cfg), server_credentials(cfg)  # ConfigError: exit 2
     before, after = raise_open_files_limit()
-    log.info("open files limit", extra={"kv": {"soft": after, "raised_from": before}}
-             if after != before else {"kv": {"soft": after}})
+    limit: dict[str, int] = {"soft": after}
+    if after != before:
+        limit["raised_from"] = before
+    log.info("open files limit", extra={"kv": limit})
     malloc_tuned = tune_malloc_for_large_messages()
     registry = Registry(cfg.data_dir, sync_every_push=cfg.sync == "always",
                         skip_corrupt=cfg.recover == "skip-corrupt", max_buffers=cfg.max_buffers,

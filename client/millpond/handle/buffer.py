@@ -318,7 +318,7 @@ class Buffer(ConfigAccessors):
         """
         checked = check_meta(self.config.meta_fields, meta)
         self._require_episodes()
-        self._flush()
+        self.flush()
         stream = self._stream()
         running = stream.steps > 0
         target = stream.end()
@@ -355,9 +355,6 @@ class Buffer(ConfigAccessors):
     def _require_episodes(self) -> None:
         if not self.config.episodes:
             raise InvalidArgumentError("this buffer is not episodic: create it with episodes=True")
-
-    def _flush(self) -> None:
-        self._backend.flush()
 
     def sample_sequences(self, batch_size: int, seq_len: int, seed: int | None = None, *,
                          filter_meta: Mapping[str, Any] | None = None,

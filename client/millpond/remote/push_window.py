@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Iterable
 
 import grpc
 
@@ -130,7 +130,7 @@ class PushWindow:
             self._settle_oldest()
         self._raise_kept()
 
-    def _send_pending(self, pushes: Any) -> None:
+    def _send_pending(self, pushes: Iterable[tuple[bytes, float]]) -> None:
         """Send ``pushes`` (of :attr:`_pending`) on the stream, opening one if needed. On a
         stream that has ended, the rest are not sent: the replies say what became of
         the pushes before them, and those are settled as their fate says."""
