@@ -22,6 +22,7 @@ from millpond.remote.malloc import tune_malloc_for_large_messages
 
 from .auth import load_auth, reload_tokens, server_credentials
 from .config import ServeConfig
+from .edge import EdgeLimits, Gate
 from .fatal import fatal_storage_error
 from .metrics import start_metrics
 from .observe import ObservingInterceptor
@@ -62,7 +63,21 @@ def grpc_options(cfg: ServeConfig) -> list[tuple[str, int]]:
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.so_reuseport", 0),
+        # The edge's connection limits (see edge.py for calls, streams and bytes):
+        # connections beyond the cap are closed at once, a connection that never
+        # completes its handshake (a scanner's, or one that sends nothing) is
+        # closed after --handshake-s, and one without calls after --connection-idle-s.
+        ("grpc.max_allowed_incoming_connections", cfg.max_connections),
+        ("grpc.server_handshake_timeout_ms", int(cfg.handshake_s * 1000)),
+        ("grpc.max_connection_idle_ms", int(cfg.connection_idle_s * 1000)),
     ]
+
+
+def edge_limits(cfg: ServeConfig) -> EdgeLimits:
+    return EdgeLimits(max_calls=cfg.max_concurrent_calls, max_calls_per_peer=cfg.max_calls_per_peer,
+                      first_message_s=cfg.first_message_s,
+                      max_inflight_bytes=cfg.max_inflight_mb << 20,
+                      max_inflight_bytes_per_peer=cfg.max_inflight_mb_per_peer << 20)
 
 
 def _bind_address(host: str, port: int) -> str:
@@ -132,10 +147,10 @@ async def serve(cfg: ServeConfig) -> int:
     fastpath, off_reason = start_fastpath(cfg, ops)
     metrics = start_metrics(cfg, registry, ops, fastpath)  # --metrics-port; serving from now
     observe = metrics is not None or cfg.log_format == "json" or cfg.log_level == "DEBUG"
-    server = grpc.aio.server(options=grpc_options(cfg),
-                             maximum_concurrent_rpcs=cfg.max_concurrent_calls,
-                             interceptors=[ObservingInterceptor(
-                                 None if metrics is None else metrics.call)] if observe else None)
+    interceptors: list[grpc.aio.ServerInterceptor] = [Gate(auth, edge_limits(cfg))]
+    if observe:  # inside the gate: calls it refuses are not timed
+        interceptors.append(ObservingInterceptor(None if metrics is None else metrics.call))
+    server = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
     service = ReplayService(ops, cfg.max_message_mb, fastpath, off_reason, cfg.stream_idle_s)
     add_to_server(service, server)
     health_servicer = health.aio.HealthServicer()

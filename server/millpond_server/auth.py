@@ -72,6 +72,9 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "List": _ALL,
     "Negotiate": _ALL,
 }
+# Streams whose every message is a call of their unary method: that method's roles.
+METHOD_ROLES.update({"PushBatchStream": METHOD_ROLES["PushBatch"],
+                     "SampleStream": METHOD_ROLES["Sample"]})
 # Fast-path op -> the RPCs it serves: it needs the roles of one of them (a
 # segment serves the ops that use it). Releasing a segment is always allowed.
 FASTPATH_OPS: dict[str, tuple[str, ...]] = {
@@ -144,12 +147,14 @@ class Auth:
             f"{TOKEN_ENV})" + (", or a TLS client certificate (tls_cert=, tls_key=)"
                                if self.mtls else ""))
 
-    def rpc_role(self, method: str, context: grpc.aio.ServicerContext) -> str:
-        """The role of a gRPC call, if it may call ``method``; else the typed error."""
+    def call_role(self, method: str, metadata: Iterable[Any] | None) -> str:
+        """The role of a gRPC call to ``method`` from its metadata (checked before its
+        body is read), if it may call ``method``; else the typed error. With mTLS on,
+        the TLS layer has already refused every connection without a certificate it
+        verified, so a call without a token is a certified caller's."""
         if not self.enabled:
             return ADMIN
-        certified = self.mtls and bool(context.peer_identities())
-        role = self._role(bearer_token(context.invocation_metadata()), certified)
+        role = self._role(bearer_token(metadata), self.mtls)
         self.check(role, METHOD_ROLES.get(method, frozenset({ADMIN})), method)
         return role
 

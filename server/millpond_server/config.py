@@ -157,9 +157,25 @@ SERVE_OPTIONS = (
     Option("max_buffers", _positive_int, 1000, "buffers the server may hold"),
     Option("max_data_gb", _positive_float, None,
            "disk the data directory may use, GB (default: what the disk has)"),
-    Option("max_concurrent_calls", _positive_int, 1024, "gRPC calls served at once (more wait)"),
+    Option("max_concurrent_calls", _positive_int, 1024,
+           "gRPC calls and streams served at once, from all clients (more are refused; the "
+           "health check is always answered)"),
+    Option("max_calls_per_peer", _positive_int, 512,
+           "gRPC calls and streams served at once for one client host (address)"),
+    Option("first_message_s", _positive_float, 30.0,
+           "seconds a call's request (a stream's first message) may take to arrive"),
     Option("stream_idle_s", _positive_float, 10.0,
            "seconds a client's stream of calls may stay open without one (it counts as a call)"),
+    Option("max_inflight_mb", _positive_int, 2048,
+           "MiB of requests the daemon holds at once (received, not yet answered)"),
+    Option("max_inflight_mb_per_peer", _positive_int, 1024,
+           "MiB of requests the daemon holds at once for one client host"),
+    Option("max_connections", _positive_int, 2048,
+           "gRPC connections open at once (more are closed as they arrive)"),
+    Option("handshake_s", _positive_float, 10.0,
+           "seconds a new connection may take to complete its TLS and HTTP/2 handshake"),
+    Option("connection_idle_s", _positive_float, 300.0,
+           "seconds a connection without a call stays open (the client reconnects when needed)"),
     Option("max_waiting_calls", _positive_int, 256,
            "calls that may wait for rate limiters at once (more are refused)"),
     Option("max_waiting_mb", _positive_int, 1024,
@@ -195,7 +211,14 @@ class ServeConfig:
     max_buffers: int = 1000
     max_data_gb: float | None = None
     max_concurrent_calls: int = 1024
+    max_calls_per_peer: int = 512
+    first_message_s: float = 30.0
     stream_idle_s: float = 10.0
+    max_inflight_mb: int = 2048
+    max_inflight_mb_per_peer: int = 1024
+    max_connections: int = 2048
+    handshake_s: float = 10.0
+    connection_idle_s: float = 300.0
     max_waiting_calls: int = 256
     max_waiting_mb: int = 1024
     token: str | None = field(default=None, repr=False)  # MILLPOND_TOKEN (admin)
@@ -249,6 +272,11 @@ def resolve_serve_config(args: argparse.Namespace,
             f"--max-waiting-calls ({cfg.max_waiting_calls}) must be below --max-concurrent-calls "
             f"({cfg.max_concurrent_calls}): calls waiting for rate limiters would take every "
             "call slot, and the pushes that would let them proceed could not get in")
+    if cfg.max_message_mb > min(cfg.max_inflight_mb_per_peer, cfg.max_inflight_mb):
+        raise ConfigError(
+            f"--max-message-mb ({cfg.max_message_mb}) is more than --max-inflight-mb-per-peer "
+            f"({cfg.max_inflight_mb_per_peer}) or --max-inflight-mb ({cfg.max_inflight_mb}): "
+            "a request of the largest size allowed would always be refused")
     if cfg.metrics_port is not None:
         try:
             import prometheus_client  # noqa: F401

@@ -25,7 +25,6 @@ messages of one stream (:mod:`.streams`); each is served by the same handler.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 from typing import Any, Callable, TypeAlias
 
@@ -51,6 +50,7 @@ from millpond.wire.inplace import BatchFrame
 from millpond.wire.status import ERROR_CODE_KEY, status_for
 
 from .auth import ADMIN, bearer_token
+from .edge import CALLER_ROLE
 from .operations import Operations
 from .owner import INLINE_BYTES
 from .registry import check_name
@@ -66,21 +66,27 @@ _DESCRIPTORS = pb.DESCRIPTOR.services_by_name["Replay"].methods
 # The unary RPCs, and the streams whose every message is one of them (PushBatchStream: PushBatch).
 _METHODS = tuple(m.name for m in _DESCRIPTORS if not m.client_streaming)
 STREAMED = {m.name: m.name.removesuffix("Stream") for m in _DESCRIPTORS if m.client_streaming}
-# The role the running call authenticated as (each call runs in a task of its own).
 Context: TypeAlias = grpc.aio.ServicerContext  # (grpc has no type stubs)
-_ROLE: contextvars.ContextVar[str | None] = contextvars.ContextVar("millpond_role", default=None)
+# Requests that carry no bulk data are refused beyond this size, unparsed: decoding a
+# 16 MB Create (a million fields) would cost seconds of a worker and hundreds of MiB.
+CONTROL_REQUEST_BYTES = 1 << 20
+BULK_METHODS = frozenset({"Push", "PushBatch", "UpdatePriorities", "UpdateEpisodes", "Read"})
 
 
 def _rpc(method: Callable) -> Callable:
-    """The one error translator, and the role and readiness checks, around an RPC handler."""
+    """The one error translator, and the readiness and request size checks, around an RPC
+    handler (the caller is authenticated and bounded before: :mod:`.edge`)."""
 
     name = method.__name__
 
     @functools.wraps(method)
     async def handler(self: "ReplayService", raw: bytes, context: Context) -> Any:
         try:
-            _ROLE.set(self.ops.auth.rpc_role(name, context))
             self.ops.check_ready()
+            if len(raw) > CONTROL_REQUEST_BYTES and name not in BULK_METHODS:
+                raise MessageTooLargeError(
+                    f"a {name} request of {len(raw):,} bytes; it may have at most "
+                    f"{CONTROL_REQUEST_BYTES:,}")
             parse = _REQUESTS[name]
             request = parse(raw) if len(raw) <= DECODE_ON_LOOP_BYTES else await self.ops.run(
                 parse, raw)  # decoding a large request would stall every other call
@@ -153,7 +159,8 @@ class ReplayService:
     async def Create(self, request: pb.CreateRequest, context: Context) -> pb.CreateReply:
         name = check_name(request.name)
         info, created = await self.ops.run(self.ops.create, name,
-                                           config_from_proto(request.config), _ROLE.get() == ADMIN)
+                                           config_from_proto(request.config),
+                                           CALLER_ROLE.get() == ADMIN)
         return pb.CreateReply(info=info_to_proto(info), created=created)
 
     @_rpc
@@ -225,6 +232,10 @@ class ReplayService:
     async def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest,
                                context: Context) -> pb.UpdatePrioritiesReply:
         buffer = self.ops.registry.get(request.name)
+        if len(request.indices) > buffer.config.total_capacity:  # before they become objects
+            raise InvalidArgumentError(
+                f"{len(request.indices):,} priorities to update in a buffer of capacity "
+                f"{buffer.config.total_capacity:,}")
 
         def update() -> int:  # (millions of items: not on the loop)
             return buffer.update_priorities(list(request.indices), list(request.priorities))
@@ -342,7 +353,7 @@ class ReplayService:
         if self.fastpath is None:
             return pb.NegotiateReply(shm=False, reason=self.fastpath_off_reason)
         ticket = ""  # for a caller with no token to present (authenticated by certificate)
-        role = _ROLE.get()
+        role = CALLER_ROLE.get()
         if self.ops.auth.enabled and role and bearer_token(context.invocation_metadata()) is None:
             ticket = self.ops.auth.issue_ticket(role)
         return pb.NegotiateReply(shm=True, socket=self.fastpath.socket_name,

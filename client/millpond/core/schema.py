@@ -30,6 +30,8 @@ _STORABLE_KINDS = "biuf"
 MAX_FIELD_NDIM = 16
 MAX_DIMENSION = 2**31 - 1
 MAX_RECORD_BYTES = 1 << 30
+MAX_FIELDS = 1024  # per schema: far beyond any RL record, and cheap to check on every push
+MAX_NAME_CHARS = 128
 
 
 def plain_dtype(dtype: Any) -> np.dtype | None:
@@ -74,7 +76,10 @@ class Field:
 
 def _make_field(name: Any, dtype: Any, shape: Any) -> Field:
     if not isinstance(name, str) or not name.isidentifier():
-        raise InvalidConfigError(f"field name must be a Python identifier, got {name!r}")
+        raise InvalidConfigError(f"field name must be a Python identifier, got {name!r:.80}")
+    if len(name) > MAX_NAME_CHARS:
+        raise InvalidConfigError(f"field name {name[:40]!r}... has {len(name):,} characters; "
+                                 f"at most {MAX_NAME_CHARS} are allowed")
     raw = shape if isinstance(shape, (tuple, list)) else (shape,)
     # operator.index, not int(): a dimension of 2.5 or "3" is a mistake, not 2 or 3.
     try:
@@ -102,6 +107,9 @@ class Schema:
     def __init__(self, fields: list[Field]):
         if not fields:
             raise InvalidConfigError("a schema needs at least one field")
+        if len(fields) > MAX_FIELDS:
+            raise InvalidConfigError(f"a schema may have at most {MAX_FIELDS:,} fields, "
+                                     f"got {len(fields):,}")
         names = [f.name for f in fields]
         if len(set(names)) != len(names):
             raise InvalidConfigError(f"duplicate field names in {names}")

@@ -38,6 +38,8 @@ import grpc
 from millpond.errors import DeadlineExceededError, ServerUnavailableError
 
 _ENDED = object()  # the stream ended without an error
+# Statuses that end a stream, not the call: the call goes again on a new stream.
+_RENEWABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 FORK_WAIT_S = 0.5  # a fork waits at most this for the streams it closed to end
 
 
@@ -168,17 +170,21 @@ class ThreadStreams:
 
     def call(self, method: grpc.StreamStreamMultiCallable, request: Any, timeout: float) -> Any:
         """``method``'s reply to ``request`` on this thread's stream (see :class:`CallStream`);
-        a broken stream is replaced and the request sent again, once. A new stream that
-        ends before it reads the request raises the error that ended it (the daemon has
-        no such stream, say), or ServerUnavailableError (it stops)."""
+        a stream that ended idle, cancelled or UNAVAILABLE is replaced and the request sent again,
+        once. A stream refused before it read the request (no rights, over a limit), or
+        a new one that ends before it reads it, raises the error that ended it, or
+        ServerUnavailableError (the daemon stops)."""
         for attempt in range(2):
             stream = self._stream(method)
             try:
                 return stream.call(request, timeout)
             except StreamBroken as broken:
                 self._forget(method)
-                if attempt == 1 and broken.error is not None:
-                    raise broken.error from None
+                error = broken.error
+                # Ended idle, closed here (a fork), or by a daemon stopping or starting: a
+                # new stream may do. Refused (no rights, over a limit): so would a new one.
+                if error is not None and (attempt == 1 or error.code() not in _RENEWABLE):
+                    raise error from None
             except BaseException:
                 self._forget(method)  # ended, or cancelled: the next call opens another
                 raise

@@ -16,7 +16,7 @@ import numpy as np
 from millpond.core.config import BufferConfig, Prioritized
 from millpond.core.info import COUNTERS, PRIORITY_STATE, BufferInfo
 from millpond.core.ratelimit import RateLimiter
-from millpond.core.schema import MAX_DIMENSION, MAX_FIELD_NDIM, Schema, plain_dtype
+from millpond.core.schema import MAX_DIMENSION, MAX_FIELD_NDIM, MAX_FIELDS, Schema, plain_dtype
 from millpond.errors import DTypeMismatchError, InvalidConfigError, ShapeMismatchError
 from millpond.v1 import replay_pb2 as pb
 
@@ -93,6 +93,9 @@ def _field_specs(schema: Schema | None) -> list[pb.FieldSpec]:
 
 
 def _schema_spec(specs: Any, what: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    if len(specs) > MAX_FIELDS:  # before a field is looked at
+        raise InvalidConfigError(f"a buffer config may have at most {MAX_FIELDS:,} {what}s, "
+                                 f"got {len(specs):,}")
     spec = {f.name: (f.dtype, tuple(f.shape)) for f in specs}
     if len(spec) != len(specs):
         raise InvalidConfigError(f"buffer config repeats a {what} name")

@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from millpond.errors import InvalidArgumentError
 from millpond.v1 import replay_pb2 as pb
 from millpond.wire.codec import decode_batch, encode_batch
+from millpond.wire.frames import MAX_MESSAGE_FIELDS
 
 
 def encode_meta(meta: Mapping[str, np.ndarray] | None) -> pb.Batch:
@@ -35,6 +36,9 @@ def encode_updates(name: str, updates: Sequence[tuple[int, Mapping[str, np.ndarr
 
 def decode_updates(request: pb.UpdateEpisodesRequest
                    ) -> list[tuple[int, dict[str, np.ndarray], bool]]:
+    if len(request.updates) > MAX_MESSAGE_FIELDS:  # each costs Python work: bounded
+        raise InvalidArgumentError(f"{len(request.updates):,} episode updates in one request; "
+                                   f"at most {MAX_MESSAGE_FIELDS:,} are allowed")
     return [(u.episode_id, decode_meta(u.meta), u.end) for u in request.updates]
 
 

@@ -28,10 +28,15 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from millpond.core.schema import MAX_FIELD_NDIM
 from millpond.errors import InvalidArgumentError, ShapeMismatchError
 from millpond.wire.codec import check_column
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+# No message read here has more fields than this (a push: its name, batch, priorities,
+# timeout and one update per episode ended; a Batch: one per column). The bound keeps
+# a hostile message of millions of tiny fields from costing seconds of Python.
+MAX_MESSAGE_FIELDS = 1 << 16
 
 # Field numbers of the Batch inside the bulk messages (see replay.proto).
 PUSH_BATCH_FIELD = 2   # PushBatchRequest.batch
@@ -149,9 +154,13 @@ def iter_fields(buf: memoryview) -> Iterator[tuple[int, int, Any]]:
     The value is an ``int`` (VARINT) or a ``memoryview`` (LEN, I64, I32): the
     wire type tells which, hence ``Any``.
     """
-    pos = 0
+    pos, count = 0, 0
     value: int | memoryview
     while pos < len(buf):
+        count += 1
+        if count > MAX_MESSAGE_FIELDS:
+            raise InvalidArgumentError(
+                f"malformed message: more than {MAX_MESSAGE_FIELDS:,} fields")
         key, pos = _read_varint(buf, pos)
         field, wire_type = key >> 3, key & 7
         if wire_type == _VARINT:
@@ -185,9 +194,11 @@ def _decode_shape(field_values: list) -> tuple[int, ...]:
             dims.append(value)
         else:
             pos = 0
-            while pos < len(value):
+            while pos < len(value) and len(dims) <= MAX_FIELD_NDIM + 1:
                 dim, pos = _read_varint(value, pos)
                 dims.append(dim)
+        if len(dims) > MAX_FIELD_NDIM + 1:  # refused by check_column, unread beyond that
+            break
     # int64 on the wire: a negative dimension arrives as a huge unsigned value
     return tuple(d - (1 << 64) if d >= 1 << 63 else d for d in dims)
 
