@@ -49,8 +49,8 @@ proto: $(STAMP)  ## regenerate client/millpond/v1 from proto/
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=client --pyi_out=client \
 	    --grpc_python_out=client proto/millpond/v1/replay.proto
 
-docker:  ## build the image (needs a Docker engine)
-	docker build -f docker/Dockerfile -t millpond:latest .
+docker:  ## build the image (needs a Docker engine; a local base: make docker BASE_IMAGE=python:3.11-slim)
+	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -f docker/Dockerfile -t millpond:latest .
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/*.egg-info .pytest_cache .hypothesis

@@ -442,15 +442,58 @@ def test_serving_beyond_loopback_with_auth_or_insecure(tmp_path, how):
             assert client.list_buffers() == []
 
 
+# Owner read/write and group read are allowed (a Kubernetes Secret volume under fsGroup is
+# 0440); read by every user, or write by the group or every user, is refused.
+ALLOWED_MODES = [0o600, 0o400, 0o640, 0o440, 0o700]
+REFUSED_MODES = {0o644: "readable by every user", 0o604: "readable by every user",
+                 0o444: "readable by every user", 0o620: "writable by its group",
+                 0o460: "writable by its group", 0o660: "writable by its group",
+                 0o602: "writable by every user", 0o666: "readable by every user and writable "
+                 "by its group and writable by every user"}
+
+
+@pytest.mark.parametrize("mode", ALLOWED_MODES, ids=oct)
+def test_a_token_file_its_owner_or_group_may_read_is_accepted(tmp_path, mode):
+    from millpond_server.auth import read_token_file
+
+    path = write_token_file(tmp_path / "tokens", f"admin {TOKENS['admin']}\n", mode)
+    assert [entry[:2] for entry in read_token_file(path)] == [("admin", TOKENS["admin"])]
+
+
+@pytest.mark.parametrize("mode", list(REFUSED_MODES), ids=oct)
+def test_a_token_file_every_user_may_read_or_others_may_write_is_refused_in_process(tmp_path,
+                                                                                      mode):
+    from millpond_server.auth import read_token_file
+    from millpond_server.declared import ConfigError
+
+    path = write_token_file(tmp_path / "tokens", f"admin {TOKENS['admin']}\n", mode)
+    with pytest.raises(ConfigError) as caught:
+        read_token_file(path)
+    assert f"is {REFUSED_MODES[mode]} (mode {mode:04o})" in str(caught.value)
+
+
 @pytest.mark.daemon
-@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
-def test_a_token_file_others_can_read_or_write_is_refused(tmp_path, mode):
+@pytest.mark.parametrize("mode", [0o644, 0o604, 0o620, 0o444, 0o460, 0o602], ids=oct)
+def test_a_token_file_every_user_may_read_or_others_may_write_is_refused(tmp_path, mode):
     path = write_token_file(tmp_path / "tokens", f"admin {TOKENS['admin']}\n", mode)
     result = serve_cli("--token-file", str(path), "--data-dir", str(tmp_path / "data"))
     assert result.returncode == 2
-    assert str(path) in result.stderr and "chmod 600" in result.stderr
-    assert f"{mode:04o}" in result.stderr
+    assert str(path) in result.stderr and f"{mode:04o}" in result.stderr
+    # It says what is allowed, and how to get there.
+    assert "allowed: read and write for its owner, read for its group" in result.stderr
+    assert f"chmod 600 {path}" in result.stderr
     assert TOKENS["admin"] not in result.stderr
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.daemon
+def test_a_group_readable_token_file_as_a_kubernetes_secret_volume_serves(tmp_path):
+    """0440, as the kubelet leaves a Secret volume's file under the pod's fsGroup."""
+    path = write_token_file(tmp_path / "tokens", f"read {TOKENS['read']}\n", 0o440)
+    with ServerProcess(tmp_path / "data", "--token-file", str(path)) as srv:
+        assert millpond.connect(srv.address, token=TOKENS["read"]).list_buffers() == []
+        with pytest.raises(millpond.AuthenticationError):
+            millpond.connect(srv.address, token=WRONG).list_buffers()
 
 
 MALFORMED = {

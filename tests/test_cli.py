@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -338,6 +339,18 @@ def test_dockerfile_agrees_with_the_cli():
     assert env["MILLPOND_ADDRESS_FILE"].startswith("/tmp/") and "--address" not in health
     # Authentication stays on: no token baked in, no --insecure.
     assert "MILLPOND_TOKEN" not in env and "MILLPOND_INSECURE" not in env
+
+
+def test_the_dockerfile_pins_its_base_image_by_digest():
+    """``FROM ${BASE_IMAGE}``, whose default names the tag and the digest of the image it
+    was reviewed as: a rebuild gets those bytes, not whatever the tag points to now."""
+    instructions = _dockerfile_instructions()
+    froms = [rest for keyword, rest in instructions if keyword == "FROM"]
+    assert froms == ["${BASE_IMAGE}"], froms
+    args = [rest for keyword, rest in instructions if keyword == "ARG"]
+    assert instructions.index(("ARG", args[0])) < instructions.index(("FROM", froms[0]))
+    (default,) = [arg.partition("=")[2] for arg in args if arg.startswith("BASE_IMAGE=")]
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm@sha256:[0-9a-f]{64}", default), default
 
 
 def _image_env(tmp_path: Path) -> dict[str, str]:

@@ -125,3 +125,33 @@ def test_a_metrics_port_in_use_exits_1_saying_so(tmp_path):
     assert result.returncode == 1
     assert f"cannot bind the metrics port 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_metrics_host_binds_the_metrics_port_there_only(tmp_path):
+    """``--host 0.0.0.0 --metrics-host 127.0.0.1``: gRPC on every interface, the metrics on
+    loopback's 127.0.0.1 only (another loopback address, which a bind on every interface
+    would answer at, is refused)."""
+    import socket
+
+    token = "metrics-host-test-token-0123456789"
+    server = ServerProcess(tmp_path / "data", "--host", "0.0.0.0", "--metrics-port", "0",
+                           "--metrics-host", "127.0.0.1", env={"MILLPOND_TOKEN": token})
+    server.proc = subprocess.Popen(server.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=server.env)
+    try:
+        first = server.proc.stdout.readline().strip()
+        assert first.startswith("metrics on 127.0.0.1:"), first or server.proc.stderr.read()
+        port = int(first.rpartition(":")[2])
+        second = server.proc.stdout.readline().strip()
+        assert second.startswith("serving on 0.0.0.0:"), second
+        grpc_port = int(second.rpartition(":")[2])
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        assert b"millpond_ready" in text
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", port), timeout=10).close()
+        # The gRPC port does answer there: it is bound on every interface.
+        client = millpond.connect(f"127.0.0.2:{grpc_port}", token=token, shm=False)
+        assert client.list_buffers() == []
+        client.close()
+    finally:
+        server.stop()

@@ -290,18 +290,34 @@ def load_auth(cfg: ServeConfig) -> Auth:
     return auth
 
 
+# A token file's refused permission bits: read and write for its owner and read for its
+# group are allowed. Group-readable, because a Kubernetes Secret volume under a pod's
+# fsGroup is 0440 (the kubelet adds group read; root owns it, the fsGroup is its group):
+# give the file's group to no one but the daemon. Execute bits mean nothing and are ignored.
+TOKEN_FILE_REFUSED = ((0o004, "readable by every user"), (0o020, "writable by its group"),
+                      (0o002, "writable by every user"))
+
+
 def read_token_file(path: Path) -> list[tuple[str, str, str]]:
-    """``(role, token, "FILE line N")`` of each ``ROLE TOKEN`` line of a token file."""
+    """``(role, token, "FILE line N")`` of each ``ROLE TOKEN`` line of a token file.
+
+    The file may be read and written by its owner and read by its group (0600, 0640,
+    0400, 0440: a Kubernetes Secret volume with ``fsGroup`` is 0440). One that every
+    user may read, or its group or every user may write, is refused (ConfigError),
+    as is a malformed one, naming the line.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(f"--token-file {path}: cannot open it ({exc.strerror})") from None
     with os.fdopen(fd, "rb") as f:
         mode = os.fstat(f.fileno()).st_mode
-        if mode & 0o066:
+        problems = [what for bit, what in TOKEN_FILE_REFUSED if mode & bit]
+        if problems:
             raise ConfigError(
-                f"--token-file {path} is {'readable' if mode & 0o044 else 'writable'} by other "
-                f"users (mode {mode & 0o777:04o}); make it private: chmod 600 {path}")
+                f"--token-file {path} is {' and '.join(problems)} (mode {mode & 0o777:04o}); "
+                "allowed: read and write for its owner, read for its group, nothing for other "
+                f"users (chmod 600 {path}; 640 or 440 if only the daemon is in its group)")
         try:
             text = f.read().decode("utf-8")
         except UnicodeDecodeError:

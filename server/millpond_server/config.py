@@ -132,8 +132,10 @@ SERVE_OPTIONS = (
     Option("log_format", _log_format, "text",
            "text (key=value lines) or json (one object per line, with buffer, method, peer)"),
     Option("metrics_port", _port, None,
-           "serve Prometheus metrics over HTTP on this port, on --host (0: any free port; "
-           "needs prometheus-client)"),
+           "serve Prometheus metrics over HTTP on this port, on --metrics-host (0: any free "
+           "port; needs prometheus-client)"),
+    Option("metrics_host", str, None,
+           "address to bind --metrics-port (default: --host; 127.0.0.1: this host only)"),
     Option("sync", _sync_policy, "interval",
            "when buffer files reach the disk: none, interval (every --sync-interval s), always"),
     Option("sync_interval", _positive_float, 1.0, "seconds between syncs with --sync interval"),
@@ -195,6 +197,7 @@ class ServeConfig:
     log_level: str = "WARNING"
     log_format: str = "text"
     metrics_port: int | None = None
+    metrics_host: str | None = None  # None: --host
     sync: str = "interval"
     sync_interval: float = 1.0
     recover: str = "fail"

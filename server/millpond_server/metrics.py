@@ -1,4 +1,4 @@
-"""Prometheus metrics (``--metrics-port``), from the ``prometheus-client`` package.
+"""Prometheus metrics (``--metrics-port``, on ``--metrics-host``), from ``prometheus-client``.
 
 Optional: ``pip install 'millpond[metrics]'``. Without the package the server
 runs as before, and ``--metrics-port`` exits 2 saying what to install.
@@ -43,15 +43,17 @@ SHM_METHODS = {"push": "PushBatch", "sample": "Sample", "update_priorities": "Up
 
 def start_metrics(cfg: ServeConfig, registry: Registry, ops: Operations,
                   fastpath: "FastPathServer | None") -> "Metrics | None":
-    """With ``--metrics-port``: the metrics, fed by ``ops`` and served on ``--host``
-    from now on (``metrics on HOST:PORT`` is printed); None without it."""
+    """With ``--metrics-port``: the metrics, fed by ``ops`` and served on
+    ``--metrics-host`` (default ``--host``) from now on (``metrics on HOST:PORT`` is
+    printed); None without it."""
     if cfg.metrics_port is None:
         return None
     metrics = Metrics(registry, ops)
     metrics.fastpath = fastpath
-    host = cfg.host if ":" not in cfg.host or cfg.host.startswith("[") else f"[{cfg.host}]"
+    bind = cfg.host if cfg.metrics_host is None else cfg.metrics_host
+    host = bind if ":" not in bind or bind.startswith("[") else f"[{bind}]"
     try:
-        port = metrics.serve(cfg.host, cfg.metrics_port)
+        port = metrics.serve(bind, cfg.metrics_port)
     except OSError as exc:  # exit 1 with this message
         raise OSError(f"cannot bind the metrics port {host}:{cfg.metrics_port}: {exc}") from None
     ops.observer = metrics
