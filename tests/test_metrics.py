@@ -79,6 +79,12 @@ def test_buffers_calls_waits_and_the_fast_path_are_counted(observed):
     assert found['millpond_rpc_duration_seconds_count{method="Create",transport="grpc"}'] == 2
     assert found["millpond_ready"] == 1 and found["millpond_buffers"] == 2
     assert found["millpond_shm_sessions"] >= 1 and found["millpond_shm_bytes"] > 0
+    # A gRPC client's stream of samples stays open: a call of one host, no request held.
+    sampler = millpond.connect(observed.address, shm=False).buffer("m-grpc")
+    sampler.sample(1)
+    found = scrape(observed)
+    assert found["millpond_grpc_calls_open"] >= 1 and found["millpond_grpc_client_hosts"] == 1
+    assert found["millpond_grpc_inflight_bytes"] == 0
 
 
 def test_the_dashboard_plots_only_metrics_the_server_exports(observed):

@@ -147,7 +147,10 @@ async def serve(cfg: ServeConfig) -> int:
     fastpath, off_reason = start_fastpath(cfg, ops)
     metrics = start_metrics(cfg, registry, ops, fastpath)  # --metrics-port; serving from now
     observe = metrics is not None or cfg.log_format == "json" or cfg.log_level == "DEBUG"
-    interceptors: list[grpc.aio.ServerInterceptor] = [Gate(auth, edge_limits(cfg))]
+    gate = Gate(auth, edge_limits(cfg), None if metrics is None else metrics.refused)
+    if metrics is not None:
+        metrics.gate = gate
+    interceptors: list[grpc.aio.ServerInterceptor] = [gate]
     if observe:  # inside the gate: calls it refuses are not timed
         interceptors.append(ObservingInterceptor(None if metrics is None else metrics.call))
     server = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)

@@ -188,11 +188,17 @@ class Gate(grpc.aio.ServerInterceptor):
         async def stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[Any]:
             peer = peer_host(context.peer())
+            held = [0]  # bytes of the message being served, given back with its reply
             try:
                 with self.calls.holding(peer, 1):
                     CALLER_ROLE.set(role)
-                    async for reply in inner(self._counted(requests, peer), context):
-                        yield reply
+                    try:
+                        async for reply in inner(self._counted(requests, peer, held), context):
+                            self.inflight.give(peer, held[0])
+                            held[0] = 0
+                            yield reply
+                    finally:
+                        self.inflight.give(peer, held[0])
             except ReplayError as error:
                 await self._abort(context, method, error)
         return stream
@@ -226,25 +232,20 @@ class Gate(grpc.aio.ServerInterceptor):
             f"the request did not arrive within {self.limits.first_message_s:g} s of the "
             "call's start (--first-message-s)")
 
-    async def _counted(self, requests: AsyncIterator[Any], peer: str) -> AsyncIterator[Any]:
-        """A stream's messages, each counted in flight until the next is pulled; the
-        first must arrive within --first-message-s (the stream's own idle limit
-        covers the others)."""
-        held = 0
-        try:
-            request = await self._first(requests)
-            while True:
-                self.inflight.take(peer, _nbytes(request))
-                held = _nbytes(request)
-                yield request
-                self.inflight.give(peer, held)
-                held = 0
+    async def _counted(self, requests: AsyncIterator[Any], peer: str,
+                       held: list[int]) -> AsyncIterator[Any]:
+        """A stream's messages, each counted in flight (``held[0]``) until its reply; the
+        first must arrive within --first-message-s (the stream's idle limit covers the
+        others)."""
+        request = await self._first(requests)
+        while True:
+            self.inflight.take(peer, _nbytes(request))
+            held[0] = _nbytes(request)
+            yield request
+            try:
                 request = await anext(requests)
-        except StopAsyncIteration:
-            return
-        finally:
-            if held:
-                self.inflight.give(peer, held)
+            except StopAsyncIteration:
+                return
 
     async def _abort(self, context: grpc.aio.ServicerContext, method: str,
                      error: ReplayError) -> None:

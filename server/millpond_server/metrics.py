@@ -13,8 +13,10 @@ Nothing here is on the push/sample path of the engine:
   histogram observation and, on failure, a counter);
 * each wait for a rate limiter is a histogram observation when it ends
   (:meth:`Metrics.wait`);
-* recovery progress and the fast path's sessions and shared memory are read
-  at scrape time from the registry and the listener.
+* recovery progress, the fast path's sessions and shared memory, and the gRPC
+  edge's open calls and bytes in flight are read at scrape time from the
+  registry, the listener and the gate; calls the gate refuses are counted as
+  failed calls.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .operations import Operations
 from .registry import Registry
 
 if TYPE_CHECKING:
+    from .edge import Gate
     from .shm_listener import FastPathServer
 
 log = logging.getLogger("millpond.metrics")
@@ -71,6 +74,7 @@ class Metrics:
         self.registry = registry
         self.ops = ops
         self.fastpath: FastPathServer | None = None
+        self.gate: Gate | None = None
         self.prometheus = CollectorRegistry(auto_describe=True)
         self.latency = Histogram(
             "millpond_rpc_duration_seconds", "Calls by method and transport, and how long they "
@@ -95,6 +99,10 @@ class Metrics:
         self.latency.labels(method, transport).observe(seconds)
         if code != "OK":
             self.errors.labels(method, transport, code).inc()
+
+    def refused(self, method: str, code: str) -> None:
+        """The gRPC edge ended a call before it was served (:class:`.edge.Gate`)."""
+        self.errors.labels(method, "grpc", code).inc()
 
     def wait(self, buffer: TieredBuffer, kind: str, seconds: float) -> None:
         """A call waited ``seconds`` for ``buffer``'s rate limiter (it may still fail)."""
@@ -174,6 +182,18 @@ class _Collector:
                     waiting)
         yield from self._recovery(gauge)
         yield from self._fastpath(gauge)
+        yield from self._edge(gauge)
+
+    def _edge(self, gauge: Any) -> Iterator[Any]:
+        gate = self.metrics.gate
+        if gate is None:
+            return
+        yield gauge("millpond_grpc_calls_open", "gRPC calls and streams being served",
+                    value=gate.calls.sum)
+        yield gauge("millpond_grpc_inflight_bytes", "Request bytes the daemon holds now",
+                    value=gate.inflight.sum)
+        yield gauge("millpond_grpc_client_hosts", "Client hosts with calls being served",
+                    value=len(gate.calls.held))
 
     def _recovery(self, gauge: Any) -> Iterator[Any]:
         registry, ops = self.metrics.registry, self.metrics.ops
