@@ -54,3 +54,28 @@ def test_sb3_example_builds_its_model_on_a_server(server):
     code = textwrap.dedent(block).replace("localhost:50051", server.address)
     exec(compile(code, "README.md", "exec"), scope)
     assert len(scope["model"].replay_buffer.millpond_buffer) == 0  # a real buffer on the server
+
+
+def limits_table() -> dict[str, str]:
+    """The README security section's limits: ``{flag: default}``."""
+    text = README.read_text()
+    table = text[text.index("| limit | flag | default |"):]
+    table = table[:table.index("\n\n")]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in table.splitlines()[2:]]
+    return {row[1].strip("`"): row[2] for row in rows}
+
+
+def test_the_readme_lists_every_limit_with_its_flag_and_default():
+    """Every limit of ``millpond serve`` (a cap, a size or a time a caller is held to) is
+    in the README's security table, with the default the daemon uses."""
+    from millpond_server.config import SERVE_OPTIONS
+
+    listed = limits_table()
+    limits = [opt for opt in SERVE_OPTIONS
+              if opt.dest.startswith(("max_", "shm_max")) or opt.dest.endswith(("idle_s", "_s"))]
+    assert limits
+    for opt in limits:
+        assert opt.flag in listed, f"{opt.flag} is not in the README's security table"
+        if opt.default is not None:
+            assert f"{opt.default:g}" in listed[opt.flag], opt.flag
