@@ -5,8 +5,9 @@ of the server's user, or of a configured group (``--shm-group``), checked
 with ``SO_PEERCRED`` / ``SO_PEERGROUPS``. Each admitted connection gets a
 :class:`~.fastpath.FastPathSession` thread. A refused peer is told why before
 the connection closes. Shared memory and sessions are counted per client
-process, against ``--shm-max-mb`` and ``--shm-max-sessions``; running out of
-file descriptors pauses accepting, it never ends it.
+process, against ``--shm-max-mb`` and ``--shm-max-sessions``. Running out of
+file descriptors pauses accepting, and failing to admit one connection (no
+thread for it) closes that connection: neither ends accepting.
 """
 
 from __future__ import annotations
@@ -128,10 +129,16 @@ class FastPathServer:
             backoff = 0.0
             try:
                 self._admit(conn)
-            except OSError:
+            except Exception as exc:
+                # This connection alone fails (no thread for it: "can't start new thread",
+                # its peer gone...): the listener keeps serving the others.
                 conn.close()
+                log.warning("fast path could not admit a connection",
+                            extra={"kv": {"error": exc}})
 
     def _admit(self, conn: socket.socket) -> None:
+        """Start a session for ``conn``, or refuse it saying why. Raises if its thread
+        cannot start; nothing stays counted then."""
         pid, uid, gid = peer_credentials(conn)
         reason = None
         if not self.admits(conn, uid, pid, gid):
@@ -152,7 +159,11 @@ class FastPathServer:
         session = FastPathSession(self, conn, pid)
         with self._lock:
             self._sessions.add(session)
-        session.start()
+        try:
+            session.start()
+        except BaseException:
+            session.cleanup()  # closes the connection, counts the session no more
+            raise
 
     def _refuse(self, conn: socket.socket, reason: str) -> None:
         """Answer the hello with the reason (so the client can say why), then close."""
@@ -173,7 +184,11 @@ class FastPathServer:
                 conn.close()
                 self._refusals.release()
 
-        threading.Thread(target=answer, name="millpond-shm-refuse", daemon=True).start()
+        try:
+            threading.Thread(target=answer, name="millpond-shm-refuse", daemon=True).start()
+        except BaseException:
+            self._refusals.release()  # the caller closes the connection
+            raise
 
     def reserve(self, pid: int, size: int) -> None:
         """Count ``size`` bytes of shared memory against client ``pid``'s limit (--shm-max-mb)."""
