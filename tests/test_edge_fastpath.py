@@ -1,27 +1,37 @@
 """The fast path's edge under a hostile review, each finding reproduced against a real
-daemon: a session thread that cannot start."""
+daemon: connections that never say hello and sessions left idle, sessions capped per
+user and in all, and a session thread that cannot start.
+
+The daemon's fast-path options are given by environment (``MILLPOND_SHM_*``)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
+import secrets
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
-from support import ServerProcess
+from support import ServerProcess, wait_until
 from test_contract import transitions
-from test_hostile import _raw_socket
+from test_hostile import _raw_socket, fd_count
 
 import millpond
 from millpond.remote.shm import protocol
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc as pb_grpc
+from millpond_server.shm_listener import MAX_REFUSALS
 
 pytestmark = pytest.mark.daemon
 
 HELLO = {"op": "hello", "version": protocol.VERSION}
+TOKEN = "admin-" + secrets.token_urlsafe(24)
 MiB = 1 << 20
 
 
@@ -51,6 +61,192 @@ def closed_by_server(sock, timeout: float) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+def sessions_held(pid: int, name: str) -> int:
+    """Fast-path connections daemon ``pid`` holds open on its socket ``name`` (the
+    listener not counted): its fds among the sockets the kernel lists at that name."""
+    inodes = set()
+    with open("/proc/net/unix") as f:
+        for line in f:
+            parts = line.split()
+            # Num RefCount Protocol Flags Type St Inode Path; 00010000: the listener
+            if len(parts) == 8 and parts[7] == "@" + name and parts[3] != "00010000":
+                inodes.add(f"socket:[{parts[6]}]")
+    held = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            held += os.readlink(f"/proc/{pid}/fd/{fd}") in inodes
+    return held
+
+
+def shared_memory(pid: int) -> int:
+    """Bytes of memfd segments process ``pid`` maps."""
+    total = 0
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            if "/memfd:" in line:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                total += end - start
+    return total
+
+
+# ---- 1. Sessions: a hello within --shm-hello-s, a request within --shm-idle-s ---------------
+
+def test_a_connection_that_never_completes_a_hello_is_closed(tmp_path):
+    env = {"MILLPOND_TOKEN": TOKEN, "MILLPOND_SHM_HELLO_S": "0.5"}
+    with ServerProcess(tmp_path / "data", env=env) as server:
+        name = socket_name(server.address, TOKEN)
+        opened = time.monotonic()
+        silent, failing, greeted = (_raw_socket(server.address, name) for _ in range(3))
+        assert call(failing, {**HELLO, "token": "x" * 20})["code"] == "UNAUTHENTICATED"
+        assert call(greeted, {**HELLO, "token": TOKEN})["ok"]
+        assert closed_by_server(silent, 10) and closed_by_server(failing, 10)
+        assert time.monotonic() - opened >= 0.5
+        # Its hello done in time, a session stays (until idle for --shm-idle-s: 300 s).
+        assert call(greeted, {"op": "result_segment", "size": MiB})["ok"]
+        assert sessions_held(server.proc.pid, name) == 1
+        for sock in (silent, failing, greeted):
+            sock.close()
+
+
+def test_an_idle_session_is_closed_and_its_shared_memory_released(tmp_path):
+    with ServerProcess(tmp_path / "data", env={"MILLPOND_SHM_IDLE_S": "0.5"}) as server:
+        pid, name = server.proc.pid, socket_name(server.address)
+        sock = _raw_socket(server.address, name)
+        hello = call(sock, HELLO)
+        assert hello["ok"] and hello.get("idle_s") == 0.5  # the client learns when to expect it
+        assert call(sock, {"op": "result_segment", "size": 2 * MiB})["ok"]
+        assert shared_memory(pid) == 2 * MiB
+        assert closed_by_server(sock, 10)
+        wait_until(lambda: shared_memory(pid) == 0 and sessions_held(pid, name) == 0)
+        sock.close()
+
+
+def test_the_client_opens_a_fresh_session_when_the_server_closes_an_idle_one(tmp_path):
+    """The client learns --shm-idle-s from the hello and replaces a session idle for half
+    of it before its next call: every call stays on shared memory, none fails or falls
+    back to gRPC, and results handed out before stay valid."""
+    with ServerProcess(tmp_path / "data", env={"MILLPOND_SHM_IDLE_S": "1"}) as server:
+        pid, name = server.proc.pid, socket_name(server.address)
+        client = millpond.connect(server.address, shm=True, timeout=10)
+        buf = client.create_buffer("idle", capacity=100, obs_dim=2, act_dim=1)
+        buf.push_batch(**transitions(0, 3))
+        kept = buf.sample(3, seed=1)
+        expected = {key: value.copy() for key, value in kept.items()}
+        wait_until(lambda: sessions_held(pid, name) == 0)  # closed for idleness, segments too
+        assert shared_memory(pid) == 0
+        buf.push_batch(**transitions(3, 3))
+        assert len(buf.sample(4)["obs"]) == 4
+        for key, value in expected.items():  # a result outlives its session
+            np.testing.assert_array_equal(kept[key], value)
+        # A call that waits longer than --shm-idle-s is not idle.
+        empty = client.create_buffer("waits", capacity=10, obs_dim=2, act_dim=1,
+                                     rate_limiter=millpond.MinSize(5))
+        with pytest.raises(millpond.RateLimitTimeoutError):
+            empty.sample(1, timeout=1.5)
+        buf.push_batch(**transitions(6, 1))
+        assert client.calls == {("shm", "push_batch"): 3, ("shm", "sample"): 2}  # successes
+        client.close()
+
+
+# ---- 1. Sessions per user and in all --------------------------------------------------------
+
+HOLDER = """
+import socket, sys
+from millpond.remote.shm import protocol
+held, greeted = [], []
+for _ in range(int(sys.argv[2])):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(10)
+    sock.connect("\\0" + sys.argv[1])
+    protocol.send(sock, {"op": "hello", "version": protocol.VERSION})
+    held.append(sock)
+    greeted.append(protocol.recv(sock)[0]["ok"])
+print(all(greeted), flush=True)
+sys.stdin.read()  # hold them until told
+"""
+
+
+def hold_sessions(name: str, count: int) -> subprocess.Popen:
+    """Another client process holding ``count`` fast-path sessions until its stdin closes."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, name, str(count)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "True"
+    return proc
+
+
+def release(proc: subprocess.Popen) -> None:
+    proc.stdin.close()
+    proc.wait(10)
+
+
+def test_sessions_are_capped_per_user_across_its_processes(tmp_path):
+    with ServerProcess(tmp_path / "data", env={"MILLPOND_SHM_MAX_SESSIONS_PER_USER": "4"}) as server:
+        name = socket_name(server.address)
+        holders = [hold_sessions(name, 2) for _ in range(2)]  # 2 processes, 4 sessions
+        try:
+            extra = _raw_socket(server.address, name)
+            reply = call(extra, HELLO)
+            assert reply["ok"] is False and reply["code"] == "PERMISSION_DENIED"
+            assert f"uid {os.getuid()} already has 4" in reply["message"]
+            assert "(--shm-max-sessions-per-user)" in reply["message"]
+            release(holders[0])
+            wait_until(lambda: sessions_held(server.proc.pid, name) == 2)
+            again = _raw_socket(server.address, name)
+            assert call(again, HELLO)["ok"]
+            for sock in (extra, again):
+                sock.close()
+        finally:
+            for proc in holders:
+                release(proc)
+
+
+def test_sessions_are_capped_in_all(tmp_path):
+    with ServerProcess(tmp_path / "data", env={"MILLPOND_SHM_MAX_SESSIONS_TOTAL": "3"}) as server:
+        name = socket_name(server.address)
+        kept = [_raw_socket(server.address, name) for _ in range(3)]
+        assert all(call(sock, HELLO)["ok"] for sock in kept)
+        extra = _raw_socket(server.address, name)
+        reply = call(extra, HELLO)
+        assert reply["ok"] is False and "(--shm-max-sessions-total)" in reply["message"]
+        kept.pop().close()
+        wait_until(lambda: sessions_held(server.proc.pid, name) == 2)
+        again = _raw_socket(server.address, name)
+        assert call(again, HELLO)["ok"]
+        for sock in (*kept, extra, again):
+            sock.close()
+
+
+def test_sessions_without_a_token_cannot_take_the_fds_grpc_needs(tmp_path):
+    """The review's attack: sessions held without a hello, many more than one process may
+    hold (--shm-max-sessions 1000 stands for many processes). By default the fast path's
+    sessions take at most half the open files limit, so gRPC clients still get in."""
+    limit = 256
+    env = {"MILLPOND_TOKEN": TOKEN, "MILLPOND_SHM_HELLO_S": "60"}  # the caps alone protect
+    with ServerProcess(tmp_path / "data", "--shm-max-sessions", "1000", env=env,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                             (limit, limit))) as server:
+        pid, name = server.proc.pid, socket_name(server.address, TOKEN)
+        attack = []
+
+        def connect_more() -> bool:
+            with contextlib.suppress(BlockingIOError):  # backlog full: the daemon catches up
+                attack.append(_raw_socket(server.address, name))
+            return len(attack) >= 400
+
+        wait_until(connect_more, timeout=10, interval=0.001)
+        wait_until(lambda: sessions_held(pid, name) >= limit // 2)
+        client = millpond.connect(server.address, token=TOKEN, shm=False, timeout=5)
+        buf = client.create_buffer("after", capacity=10, obs_dim=2, act_dim=1)
+        buf.push_batch(**transitions(0, 3))
+        assert len(buf) == 3
+        # Half the fds for sessions, and a few for refusals being answered (no hello comes).
+        assert sessions_held(pid, name) <= limit // 2 + MAX_REFUSALS
+        assert fd_count(pid) < limit - 32
+        for sock in attack:
+            sock.close()
+        client.close()
 
 
 # ---- 2. A session thread that cannot start ---------------------------------------------------
