@@ -1,12 +1,14 @@
 """The fast path's edge under a hostile review, each finding reproduced against a real
 daemon: connections that never say hello and sessions left idle, sessions capped per
-user and in all, and a session thread that cannot start.
+user and in all, a session thread that cannot start, and shared memory capped for the
+daemon as a whole.
 
 The daemon's fast-path options are given by environment (``MILLPOND_SHM_*``)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import secrets
@@ -302,5 +304,97 @@ def test_a_session_thread_that_cannot_start_costs_that_connection_only(tmp_path)
             sock.close()
         client.close()
     assert "fast path could not admit a connection" in log_file.read_text()
+
+
+# ---- 3. Shared memory: --shm-max-mb for the daemon, --shm-max-mb-per-client ----------------
+
+PUSHER = """
+import json, logging, sys
+import numpy as np
+import millpond
+fallbacks = []
+class Fallbacks(logging.Handler):
+    def emit(self, record):
+        fallbacks.append(record.getMessage())
+log = logging.getLogger("millpond.client")
+log.addHandler(Fallbacks())
+log.setLevel(logging.INFO)
+client = millpond.connect(sys.argv[1], shm=True, timeout=20)
+buf = client.buffer(sys.argv[2])
+for _ in sys.stdin:  # a push of 2 MiB per line
+    buf.push_batch(x=np.ones((2, 1 << 20), np.uint8))
+    calls = {f"{transport} {op}": n for (transport, op), n in client.calls.items()}
+    print(json.dumps({"calls": calls, "fallbacks": fallbacks}), flush=True)
+"""
+
+
+class Pusher:
+    """A client process that pushes 2 MiB records (a 2 MiB push segment) when asked."""
+
+    def __init__(self, address: str, buffer: str):
+        self.proc = subprocess.Popen([sys.executable, "-c", PUSHER, address, buffer],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def push(self) -> dict:
+        self.proc.stdin.write("push\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(20)
+
+
+def test_shared_memory_is_capped_for_the_daemon_as_a_whole(tmp_path):
+    with ServerProcess(tmp_path / "data", "--shm-max-mb", "4") as server:
+        pid = server.proc.pid
+        owner = millpond.connect(server.address, shm=False)
+        records = owner.create_buffer("big", capacity=16, fields={"x": ("uint8", (MiB,))})
+        pushers = [Pusher(server.address, "big") for _ in range(3)]
+        try:
+            first, second, third = (pusher.push() for pusher in pushers)
+            assert first["calls"] == second["calls"] == {"shm push_batch": 1}
+            # 4 MiB are held: the third's segment would take the daemon over --shm-max-mb,
+            # so its push went over gRPC, and said why.
+            assert third["calls"] == {"grpc push_batch": 1}
+            assert "(--shm-max-mb)" in third["fallbacks"][0]
+            assert shared_memory(pid) == 4 * MiB
+            raw = _raw_socket(server.address)  # this process, a fourth client
+            assert call(raw, HELLO)["ok"]
+            reply = call(raw, {"op": "result_segment", "size": MiB})
+            with pytest.raises(millpond.SharedMemoryError, match="over the server's limit"):
+                protocol.raise_for(reply)
+            raw.close()
+            # The others keep working, in their segments.
+            assert pushers[0].push()["calls"] == pushers[1].push()["calls"] == {"shm push_batch": 2}
+            pushers[0].close()  # its 2 MiB are the daemon's to give again
+            wait_until(lambda: shared_memory(pid) == 2 * MiB)
+            assert pushers[2].push()["calls"] == {"grpc push_batch": 1, "shm push_batch": 1}
+            assert shared_memory(pid) == 4 * MiB and len(records) == 12
+        finally:
+            for pusher in pushers:
+                pusher.close()
+
+
+def test_shared_memory_is_capped_per_client_process_too(tmp_path):
+    env = {"MILLPOND_SHM_MAX_MB_PER_CLIENT": "2"}
+    with ServerProcess(tmp_path / "data", "--shm-max-mb", "8", env=env) as server:
+        owner = millpond.connect(server.address, shm=False)
+        owner.create_buffer("big", capacity=16, fields={"x": ("uint8", (MiB,))})
+        sessions = [_raw_socket(server.address) for _ in range(2)]
+        for sock in sessions:
+            assert call(sock, HELLO)["ok"]
+            assert call(sock, {"op": "result_segment", "size": MiB})["ok"]
+        for sock in sessions:  # 2 MiB for this process, whichever session asks
+            reply = call(sock, {"op": "result_segment", "size": MiB})
+            assert reply.get("code") == "SHM_UNAVAILABLE"
+            assert "(--shm-max-mb-per-client)" in reply["message"]
+        other = Pusher(server.address, "big")  # another process has 2 MiB of its own
+        try:
+            assert other.push()["calls"] == {"shm push_batch": 1}
+        finally:
+            other.close()
+        for sock in sessions:
+            sock.close()
 
 

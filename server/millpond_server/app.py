@@ -49,7 +49,8 @@ def start_fastpath(cfg: ServeConfig, ops: Operations) -> tuple[FastPathServer | 
         sessions_total = (MAX_SESSIONS_TOTAL if soft == resource.RLIM_INFINITY
                           else max(1, min(MAX_SESSIONS_TOTAL, soft // 2)))
     limits = FastPathLimits(
-        bytes_per_client=cfg.shm_max_mb << 20,
+        bytes_total=cfg.shm_max_mb << 20,
+        bytes_per_client=(cfg.shm_max_mb_per_client or cfg.shm_max_mb) << 20,
         sessions_per_client=cfg.shm_max_sessions,
         sessions_per_user=cfg.shm_max_sessions_per_user,
         sessions_total=sessions_total,

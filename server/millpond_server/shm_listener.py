@@ -5,7 +5,7 @@ of the server's user, or of a configured group (``--shm-group``), checked
 with ``SO_PEERCRED`` / ``SO_PEERGROUPS``. Each admitted connection gets a
 :class:`~.fastpath.FastPathSession` thread. A refused peer is told why before
 the connection closes. Sessions are counted per client process, per user and
-in all; shared memory per client process (:class:`FastPathLimits`).
+in all; shared memory per client process and in all (:class:`FastPathLimits`).
 Running out of file descriptors pauses accepting, and failing to admit one
 connection (no thread for it) closes that connection: neither ends accepting.
 """
@@ -75,7 +75,8 @@ def peer_groups(conn: socket.socket, pid: int, gid: int) -> set[int]:
 class FastPathLimits:
     """What fast-path clients may hold, and for how long (the ``serve`` flag of each)."""
 
-    bytes_per_client: int = 8 << 30  # --shm-max-mb: shared memory of one client process
+    bytes_total: int = 8 << 30  # --shm-max-mb: shared memory, all clients together
+    bytes_per_client: int = 8 << 30  # --shm-max-mb-per-client: one client process
     sessions_per_client: int = 64  # --shm-max-sessions: one client process
     sessions_per_user: int = 256  # --shm-max-sessions-per-user: one uid's processes together
     sessions_total: int = MAX_SESSIONS_TOTAL  # --shm-max-sessions-total
@@ -94,6 +95,7 @@ class FastPathServer:
         # Per client process (pid): [sessions, bytes of shared memory held].
         self._clients: dict[int, list[int]] = {}
         self._users: dict[int, int] = {}  # uid -> sessions
+        self._bytes = 0  # shared memory held, all clients together
         self._refusals = threading.BoundedSemaphore(MAX_REFUSALS)
         self.socket_name = f"millpond-{os.getpid()}-{uuid.uuid4().hex}"
         self.uid = os.getuid()
@@ -218,24 +220,33 @@ class FastPathServer:
             raise
 
     def reserve(self, pid: int, size: int) -> None:
-        """Count ``size`` bytes of shared memory against client ``pid``'s limit (--shm-max-mb)."""
+        """Count ``size`` bytes of shared memory against client ``pid``'s limit
+        (--shm-max-mb-per-client) and all clients' (--shm-max-mb); SharedMemoryError
+        if either would be passed."""
+        limits = self.limits
         with self._lock:
             held = self._clients.setdefault(pid, [0, 0])
-            if held[1] + size > self.limits.bytes_per_client:
+            if held[1] + size > limits.bytes_per_client:
                 raise SharedMemoryError(
                     f"a segment of {size:,} bytes would take this client's shared memory over "
-                    f"its limit of {self.limits.bytes_per_client:,} bytes (--shm-max-mb)")
+                    f"its limit of {limits.bytes_per_client:,} bytes (--shm-max-mb-per-client)")
+            if self._bytes + size > limits.bytes_total:
+                raise SharedMemoryError(
+                    f"a segment of {size:,} bytes would take the shared memory of all fast-path "
+                    f"clients ({self._bytes:,} bytes now) over the server's limit of "
+                    f"{limits.bytes_total:,} bytes (--shm-max-mb)")
             held[1] += size
+            self._bytes += size
 
     def usage(self) -> tuple[int, int, int]:
         """``(client processes, sessions, bytes of shared memory)`` held now."""
         with self._lock:
-            held = list(self._clients.values())
-        return len(held), sum(h[0] for h in held), sum(h[1] for h in held)
+            return len(self._clients), len(self._sessions), self._bytes
 
     def unreserve(self, pid: int, size: int) -> None:
         with self._lock:
             self._clients[pid][1] -= size
+            self._bytes -= size
 
     def _ended(self, session: "FastPathSession") -> None:
         with self._lock:
