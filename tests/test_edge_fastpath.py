@@ -1,7 +1,7 @@
 """The fast path's edge under a hostile review, each finding reproduced against a real
 daemon: connections that never say hello and sessions left idle, sessions capped per
-user and in all, a session thread that cannot start, and shared memory capped for the
-daemon as a whole.
+user and in all, a session thread that cannot start, shared memory capped for the
+daemon as a whole, and mTLS on the fast path (tickets, never a token alone).
 
 The daemon's fast-path options are given by environment (``MILLPOND_SHM_*``)."""
 
@@ -12,6 +12,7 @@ import json
 import os
 import resource
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ import pytest
 from support import ServerProcess, wait_until
 from test_contract import transitions
 from test_hostile import _raw_socket, fd_count
+from test_tls import make_ca, make_cert
 
 import millpond
 from millpond.remote.shm import protocol
@@ -398,3 +400,75 @@ def test_shared_memory_is_capped_per_client_process_too(tmp_path):
             sock.close()
 
 
+# ---- 4. mTLS: the fast path takes the ticket Negotiate issued on the certified channel ------
+
+LEARNER = "learner-" + secrets.token_urlsafe(24)
+needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+
+
+@pytest.fixture(scope="module")
+def mtls(tmp_path_factory):
+    """``(daemon, certificate settings)``: mTLS, and a learner token."""
+    pki = tmp_path_factory.mktemp("pki")
+    make_ca(pki, "ca")
+    make_cert(pki, "server", "ca", "DNS:localhost,IP:127.0.0.1")
+    make_cert(pki, "client", "ca")
+    tokens = pki / "tokens"
+    tokens.write_text(f"learner {LEARNER}\n")
+    tokens.chmod(0o600)
+    with ServerProcess(pki / "data", "--tls-cert", str(pki / "server.pem"), "--tls-key",
+                       str(pki / "server.key"), "--tls-client-ca", str(pki / "ca.pem"),
+                       "--token-file", str(tokens), env={"MILLPOND_TOKEN": ""}) as server:
+        yield server, {"tls_ca": str(pki / "ca.pem"), "tls_cert": str(pki / "client.pem"),
+                       "tls_key": str(pki / "client.key")}
+
+
+def negotiate(server, certs: dict, token: str | None = None) -> pb.NegotiateReply:
+    credentials = grpc.ssl_channel_credentials(
+        *(Path(certs[key]).read_bytes() for key in ("tls_ca", "tls_key", "tls_cert")))
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    with grpc.secure_channel(server.address, credentials) as channel:
+        return pb_grpc.ReplayStub(channel).Negotiate(
+            pb.NegotiateRequest(boot_id=protocol.read_boot_id()), timeout=10, metadata=metadata)
+
+
+@needs_openssl
+def test_with_mtls_a_token_alone_does_not_open_the_fast_path(mtls):
+    server, certs = mtls
+    sock = _raw_socket(server.address, negotiate(server, certs).socket)
+    reply = call(sock, {**HELLO, "token": LEARNER})
+    assert reply["ok"] is False and reply["code"] == "UNAUTHENTICATED"
+    assert "ticket" in reply["message"] and "--tls-client-ca" in reply["message"]
+    reply = call(sock, {"op": "result_segment", "size": MiB})
+    assert reply["code"] == "UNAUTHENTICATED"  # the session has no role
+    sock.close()
+
+
+@needs_openssl
+def test_with_mtls_every_negotiate_issues_a_ticket_of_the_calls_role(mtls):
+    server, certs = mtls
+    learner, admin = negotiate(server, certs, LEARNER), negotiate(server, certs)
+    assert len(learner.ticket) >= 32 and len(admin.ticket) >= 32
+    push = {"op": "push", "buffer": "absent", "segment": 1, "n": 1, "columns": []}
+    for offer, push_code in ((learner, "PERMISSION_DENIED"), (admin, "BUFFER_NOT_FOUND")):
+        sock = _raw_socket(server.address, offer.socket)
+        assert call(sock, {**HELLO, "ticket": offer.ticket})["ok"]
+        assert call(sock, {"op": "result_segment", "size": MiB})["ok"]  # both may sample
+        assert call(sock, push)["code"] == push_code  # a learner may not push
+        sock.close()
+
+
+@needs_openssl
+def test_with_mtls_the_client_opens_the_fast_path_with_its_ticket(mtls):
+    server, certs = mtls
+    admin = millpond.connect(server.address, token="", shm=True, **certs)
+    owned = admin.create_buffer("mtls-fast", capacity=16, obs_dim=2, act_dim=1)
+    owned.push_batch(**transitions(0, 4))
+    learner = millpond.connect(server.address, token=LEARNER, shm=True, **certs)
+    buf = learner.buffer("mtls-fast")
+    assert len(buf.sample(2)["obs"]) == 2
+    with pytest.raises(millpond.PermissionDeniedError):
+        buf.push_batch(**transitions(4, 1))
+    assert learner.calls == {("shm", "sample"): 1}
+    assert admin.calls == {("shm", "push_batch"): 1}
+    owned.close()

@@ -165,17 +165,27 @@ class Auth:
         return None if self.enabled else ADMIN
 
     def hello_role(self, message: dict[str, Any]) -> str:
-        """The role a fast-path hello authenticates as (its token or ticket)."""
+        """The role a fast-path hello authenticates as: its ticket's, or its token's.
+
+        With client certificates required (mTLS) only a ticket will do: the fast path
+        sees no certificate, and a ticket is what Negotiate gave a caller over a channel
+        that presented one. A token alone would let a token's holder without a
+        certificate in."""
         if not self.enabled:
             return ADMIN
         token, ticket = message.get("token"), message.get("ticket")
-        if isinstance(token, str):
-            return self._role(token, False)
         if isinstance(ticket, str):
             role = self.ticket_role(ticket)
             if role is None:
                 raise AuthenticationError("fast-path ticket unknown or expired; negotiate again")
             return role
+        if self.mtls:
+            raise AuthenticationError(
+                "this server requires client certificates (--tls-client-ca): a fast-path hello "
+                "must present the ticket Negotiate issued over the certified gRPC channel; a "
+                "token alone is not accepted")
+        if isinstance(token, str):
+            return self._role(token, False)
         raise AuthenticationError("this server requires a token or ticket in the fast-path hello")
 
     def check_op(self, role: str | None, op: str) -> None:
