@@ -267,7 +267,8 @@ def test_running_out_of_fds_pauses_the_fast_path_and_it_recovers(tmp_path):
     limit = 128
     proc = subprocess.Popen(
         [sys.executable, "-m", "millpond_server", "serve", "--host", "127.0.0.1", "--port", "0",
-         "--data-dir", str(tmp_path / "data"), "--shm-max-sessions", "1000"],
+         "--data-dir", str(tmp_path / "data"), "--shm-max-sessions", "1000",
+         "--shm-max-sessions-total", "1000"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -29,23 +30,40 @@ from .observe import ObservingInterceptor
 from .operations import Operations
 from .registry import Registry
 from .service import SERVICE_NAME, ReplayService, add_to_server
-from .shm_listener import FastPathServer
+from .shm_listener import MAX_SESSIONS_TOTAL, FastPathLimits, FastPathServer
 
 log = logging.getLogger("millpond.server")
 # Where the hard limit of open files is unlimited, the soft one is raised to this.
 OPEN_FILES_CEILING = 1 << 20
 
 def start_fastpath(cfg: ServeConfig, ops: Operations) -> tuple[FastPathServer | None, str]:
-    """Start the shared-memory fast path, or say why it is off."""
+    """Start the shared-memory fast path, or say why it is off.
+
+    Unless ``--shm-max-sessions-total`` says otherwise, its sessions may take at most
+    half the open files limit (each holds a descriptor): however many there are, gRPC
+    clients can still connect."""
     if not cfg.shm:
         return None, "disabled by the server (--no-shm)"
+    sessions_total = cfg.shm_max_sessions_total
+    if sessions_total is None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        sessions_total = (MAX_SESSIONS_TOTAL if soft == resource.RLIM_INFINITY
+                          else max(1, min(MAX_SESSIONS_TOTAL, soft // 2)))
+    limits = FastPathLimits(
+        bytes_total=cfg.shm_max_mb << 20,
+        bytes_per_client=(cfg.shm_max_mb_per_client or cfg.shm_max_mb) << 20,
+        sessions_per_client=cfg.shm_max_sessions,
+        sessions_per_user=cfg.shm_max_sessions_per_user,
+        sessions_total=sessions_total,
+        hello_s=cfg.shm_hello_s,
+        idle_s=cfg.shm_idle_s)
     try:
-        fastpath = FastPathServer(ops, cfg.shm_group, cfg.shm_max_mb * 1024 * 1024,
-                                  cfg.shm_max_sessions)
+        fastpath = FastPathServer(ops, cfg.shm_group, limits)
     except OSError as exc:  # no abstract Unix sockets or memfd here
         log.warning("shm fast path unavailable", extra={"kv": {"error": exc}})
         return None, f"unavailable on the server: {exc}"
     fastpath.start()
+    log.info("fast-path limits", extra={"kv": dataclasses.asdict(limits)})
     return fastpath, ""
 
 

@@ -18,10 +18,12 @@ only attaches to an existing buffer of the same config (the operations layer
 enforces that under the registry's lock); creating a new buffer and ``Delete``
 need ``admin``.
 
-The shared-memory fast path authenticates its ``hello`` the same way (the
-client's token, or a ticket that ``Negotiate`` handed to a caller that
-authenticated by certificate alone), and each of its ops needs the roles of
-the RPC it mirrors (:data:`FASTPATH_OPS`).
+The shared-memory fast path authenticates its ``hello`` with the client's token
+or, with mTLS on, only with a ticket that ``Negotiate`` handed out over the
+certified channel (bound to that call's role): the fast path sees no
+certificate, so a token alone must not get past mTLS there. Each of its ops
+needs the roles of the RPC it mirrors (:data:`FASTPATH_OPS`). gRPC calls are
+authenticated on their metadata before their body is read (:mod:`.edge`).
 """
 
 from __future__ import annotations
@@ -170,17 +172,27 @@ class Auth:
         return None if self.enabled else ADMIN
 
     def hello_role(self, message: dict[str, Any]) -> str:
-        """The role a fast-path hello authenticates as (its token or ticket)."""
+        """The role a fast-path hello authenticates as: its ticket's, or its token's.
+
+        With client certificates required (mTLS) only a ticket will do: the fast path
+        sees no certificate, and a ticket is what Negotiate gave a caller over a channel
+        that presented one. A token alone would let a token's holder without a
+        certificate in."""
         if not self.enabled:
             return ADMIN
         token, ticket = message.get("token"), message.get("ticket")
-        if isinstance(token, str):
-            return self._role(token, False)
         if isinstance(ticket, str):
             role = self.ticket_role(ticket)
             if role is None:
                 raise AuthenticationError("fast-path ticket unknown or expired; negotiate again")
             return role
+        if self.mtls:
+            raise AuthenticationError(
+                "this server requires client certificates (--tls-client-ca): a fast-path hello "
+                "must present the ticket Negotiate issued over the certified gRPC channel; a "
+                "token alone is not accepted")
+        if isinstance(token, str):
+            return self._role(token, False)
         raise AuthenticationError("this server requires a token or ticket in the fast-path hello")
 
     def check_op(self, role: str | None, op: str) -> None:

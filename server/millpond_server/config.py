@@ -143,9 +143,22 @@ SERVE_OPTIONS = (
            "damaged records at start-up: fail (name them, exit) or skip-corrupt (serve the rest)"),
     Option("shm", _bool, True, "offer the same-host shared-memory fast path (--no-shm: off)"),
     Option("shm_group", _group_ids, None, "groups (names or gids) also allowed on the fast path"),
-    Option("shm_max_mb", _positive_int, 8192, "shared memory one fast-path client may hold, MiB"),
+    Option("shm_max_mb", _positive_int, 8192,
+           "shared memory all fast-path clients together may hold, MiB"),
     Option("shm_max_sessions", _positive_int, 64,
            "fast-path sessions one client process may hold at once"),
+    Option("shm_max_mb_per_client", _positive_int, None,
+           "shared memory one fast-path client process may hold, MiB (default: --shm-max-mb)"),
+    Option("shm_max_sessions_per_user", _positive_int, 256,
+           "fast-path sessions the processes of one user (uid) may hold at once"),
+    Option("shm_max_sessions_total", _positive_int, None,
+           "fast-path sessions all clients together may hold at once (default: 1024, or half "
+           "the open files limit if that is lower)"),
+    Option("shm_hello_s", _positive_float, 5.0,
+           "seconds a fast-path connection has to complete a hello; then it is closed"),
+    Option("shm_idle_s", _positive_float, 300.0,
+           "seconds a fast-path session may go without a request; then it is closed and its "
+           "shared memory released (clients open another)"),
     Option("token_file", Path, None,
            "file of 'ROLE TOKEN' lines (admin, actor, learner, read); not readable by others"),
     Option("tls_cert", Path, None, "PEM certificate chain: serve gRPC over TLS (with --tls-key)"),
@@ -205,6 +218,11 @@ class ServeConfig:
     shm_group: frozenset[int] = frozenset()
     shm_max_mb: int = 8192
     shm_max_sessions: int = 64
+    shm_max_mb_per_client: int | None = None  # None: shm_max_mb
+    shm_max_sessions_per_user: int = 256
+    shm_max_sessions_total: int | None = None  # None: 1024, or half the open files limit
+    shm_hello_s: float = 5.0
+    shm_idle_s: float = 300.0
     token_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None

@@ -6,6 +6,11 @@ thread that decodes its requests and calls the operations layer
 that must wait for a rate limiter waits on the operations layer's loop, like
 a gRPC call, and ends early if the client hangs up.
 
+A session is closed, and its segments released, when it has not completed a
+successful hello within ``--shm-hello-s`` of being accepted, or has had no
+request for ``--shm-idle-s`` (the hello's reply tells the client this, so
+that it opens a fresh session rather than race the close).
+
 Nothing from a client is trusted: every segment fd must be a sealed memfd of
 the announced size, every offset and shape is checked against the segment
 and the schema before a view is made (:mod:`.shm_requests`), unexpected fds
@@ -54,14 +59,16 @@ MAX_SEGMENTS = 64  # per session
 class FastPathSession(threading.Thread):
     """Serves one client connection's requests in order until it disconnects."""
 
-    def __init__(self, server: "FastPathServer", conn: socket.socket, pid: int):
+    def __init__(self, server: "FastPathServer", conn: socket.socket, pid: int, uid: int):
         super().__init__(name=f"millpond-shm-{pid}", daemon=True)
         self.server = server
         self.ops = server.ops
         self.conn = conn
         self.pid = pid
+        self.uid = uid
         # Authentication on: none until a hello presents a token or ticket (admin when off).
         self.role: str | None = self.ops.auth.session_role()
+        self.greeted = False  # a hello succeeded
         self.push_segments: dict[int, mmap.mmap] = {}
         self.result_segments: dict[int, mmap.mmap] = {}
         self._next_id = 0
@@ -90,9 +97,21 @@ class FastPathSession(threading.Thread):
             self.cleanup()
 
     def _serve(self) -> None:
+        limits = self.server.limits
+        hello_by = time.monotonic() + limits.hello_s
         while True:
+            # The socket's timeout bounds the wait for the next request, and a reply's
+            # send to a client that reads none.
+            timeout = limits.idle_s if self.greeted else hello_by - time.monotonic()
+            if timeout != self.conn.gettimeout():
+                self.conn.settimeout(max(timeout, 1e-3))
             try:
                 message, fds = protocol.recv(self.conn, protocol.SERVER_SPIN)
+            except TimeoutError:
+                why = (f"no request for {limits.idle_s:g} s (--shm-idle-s)" if self.greeted else
+                       f"no successful hello within {limits.hello_s:g} s (--shm-hello-s)")
+                log.info("fast-path session closed", extra={"kv": {"pid": self.pid, "why": why}})
+                return
             except InvalidArgumentError as exc:  # malformed message: say so, keep serving
                 protocol.send(self.conn, protocol.error_reply(exc))
                 continue
@@ -149,7 +168,8 @@ class FastPathSession(threading.Thread):
             )
         self.role = self.ops.auth.session_role()  # a failed hello leaves none
         self.role = self.ops.auth.hello_role(message)  # its token or Negotiate's ticket
-        return {"ok": True, "version": protocol.VERSION}, []
+        self.greeted = True
+        return {"ok": True, "version": protocol.VERSION, "idle_s": self.server.limits.idle_s}, []
 
     # ---- segments -----------------------------------------------------------------
 

@@ -49,7 +49,7 @@ from millpond.wire.frames import (
 from millpond.wire.inplace import BatchFrame
 from millpond.wire.status import ERROR_CODE_KEY, status_for
 
-from .auth import ADMIN, bearer_token
+from .auth import ADMIN
 from .edge import CALLER_ROLE
 from .operations import Operations
 from .owner import INLINE_BYTES
@@ -352,10 +352,10 @@ class ReplayService:
             return pb.NegotiateReply(shm=False)
         if self.fastpath is None:
             return pb.NegotiateReply(shm=False, reason=self.fastpath_off_reason)
-        ticket = ""  # for a caller with no token to present (authenticated by certificate)
+        # With mTLS the fast path takes a ticket only (it sees no certificate): every caller
+        # gets one, bound to the role this call authenticated as (a token's, or admin).
         role = CALLER_ROLE.get()
-        if self.ops.auth.enabled and role and bearer_token(context.invocation_metadata()) is None:
-            ticket = self.ops.auth.issue_ticket(role)
+        ticket = self.ops.auth.issue_ticket(role) if self.ops.auth.mtls and role else ""
         return pb.NegotiateReply(shm=True, socket=self.fastpath.socket_name,
                                  boot_id=boot_id, uid=self.fastpath.uid, ticket=ticket)
 

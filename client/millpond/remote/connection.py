@@ -166,8 +166,10 @@ class Connection:
             return None, offer.reason or "the server does not offer it here (another host?)"
         if not boot_id or offer.boot_id != boot_id:
             return None, "the server runs on another host"
-        # The hello shows our token, or else the ticket Negotiate gave our certificate.
-        hello = self.credentials.hello() or ({"ticket": offer.ticket} if offer.ticket else {})
+        # The hello shows the ticket Negotiate gave us, if any (a server requiring client
+        # certificates takes nothing else: the ticket stands for our certified channel),
+        # else our token.
+        hello = {"ticket": offer.ticket} if offer.ticket else self.credentials.hello()
         try:
             return ShmTransport(offer.socket, offer.uid, self._timeout, hello), ""
         except OSError as exc:  # other network namespace, refused peer, no memfd...

@@ -94,7 +94,7 @@ class Credentials:
         return None if self.token is None else (("authorization", f"Bearer {self.token}"),)
 
     def hello(self) -> dict[str, str]:
-        """What the fast path's hello presents, besides a ticket (the token, if any)."""
+        """What the fast path's hello presents when Negotiate gave no ticket: the token, if any."""
         return {} if self.token is None else {"token": self.token}
 
     def channel(self, address: str, options: list[tuple[str, Any]]) -> grpc.Channel:

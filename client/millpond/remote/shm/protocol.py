@@ -8,8 +8,9 @@ descriptors travel beside it as ``SCM_RIGHTS`` ancillary data. Requests:
 =====================  ===========================================  ======================
 op                     fields                                       reply
 =====================  ===========================================  ======================
-``hello``              ``version``; ``token`` or ``ticket``         ``version``
-                       (authentication on)
+``hello``              ``version``; ``token`` or ``ticket``         ``version``, ``idle_s``
+                       (authentication on; with mTLS only a         (the server closes a
+                       ``ticket``)                                  session idle this long)
 ``push_segment``       ``size`` (+ 1 fd: the client's sealed memfd)  ``segment``
 ``push``               ``buffer``, ``segment``, ``n``, ``columns``  ``size``, ``pushed``
                        (``[[name, offset, dtype, shape], ...]``),

@@ -25,6 +25,7 @@ import os
 import socket
 import struct
 import threading
+import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -72,7 +73,9 @@ class ShmSession:
     arguments the seconds the server may wait for a rate limiter within it.
     A call that fails mid-way (its deadline passed, the connection was lost)
     marks the session :attr:`broken`: replies may be out of step, so it must
-    be closed. ``served`` counts each op's successful requests.
+    be closed. ``served`` counts each op's successful requests. :attr:`idle_s`:
+    the seconds without a request after which the server closes the session
+    (its hello says; None if it does not).
     """
 
     def __init__(self, socket_name: str, server_uid: int, deadline: float,
@@ -98,12 +101,22 @@ class ShmSession:
         except OSError:
             self._sock.close()
             raise
+        idle_s = reply.get("idle_s")
+        self.idle_s = (float(idle_s) if isinstance(idle_s, (int, float))
+                       and not isinstance(idle_s, bool) and idle_s > 0 else None)
+        self.last_used = time.monotonic()  # when the last reply came
         self._lock = threading.Lock()
         self.broken = False  # a request failed mid-way: replies may be out of step
         self.lost = False  # the connection is gone (the server died or restarted)
         self._push_segment: tuple[int, mmap.mmap] | None = None
         self._results: list[_ResultSegment] = []
         self.served: Counter[str] = Counter() if served is None else served
+
+    def expiring(self) -> bool:
+        """Whether the server may close this session for idleness before a request sent
+        now reaches it: idle for half the server's ``--shm-idle-s`` (a margin that no
+        request's trip comes near)."""
+        return self.idle_s is not None and time.monotonic() - self.last_used > self.idle_s / 2
 
     def _set_deadline(self, deadline: float) -> None:
         if deadline != self.deadline:
@@ -129,6 +142,7 @@ class ShmSession:
         if reply is None:
             self.broken = self.lost = True
             raise ServerUnavailableError("fast-path connection closed by the server")
+        self.last_used = time.monotonic()
         try:
             protocol.raise_for(reply)
         except BaseException:

@@ -9,7 +9,8 @@ sessions as concurrency needs them and keeps a few idle ones.
 A session that broke (deadline passed mid-call, connection lost) is closed,
 not returned. A lost connection also marks the transport :attr:`stale`: the
 server may have restarted under a new socket, so the connection negotiates
-again before the next call.
+again before the next call. Idle sessions the server is about to close
+(``--shm-idle-s``) are closed here first and a fresh one opened instead.
 """
 
 from __future__ import annotations
@@ -60,7 +61,13 @@ class ShmTransport:
         """``call(session)`` on an idle session (or a new one), which is then put back
         (or closed, if it broke). A plain try/finally: this runs on every call."""
         with self._lock:
+            # The newest idle session is last: if it is expiring, so are all the others.
+            expired = self._idle if self._idle and self._idle[-1].expiring() else []
+            if expired:
+                self._idle = []
             session = self._idle.pop() if self._idle else None
+        for old in expired:
+            old.close()
         if session is None:
             try:
                 session = self._open(deadline)
