@@ -48,7 +48,7 @@ class Transport(Protocol):
 
     def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
                    priorities: np.ndarray | None, timeout: float, deadline: float,
-                   updates: list | None = None) -> None: ...
+                   updates: list | None = None, capacity: int | None = None) -> None: ...
 
     def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
                extras: bool, timeout: float, deadline: float,
@@ -169,7 +169,8 @@ class Connection:
         # The hello shows our token, or else the ticket Negotiate gave our certificate.
         hello = self.credentials.hello() or ({"ticket": offer.ticket} if offer.ticket else {})
         try:
-            return ShmTransport(offer.socket, offer.uid, self._timeout, hello), ""
+            return ShmTransport(offer.socket, offer.uid, self._timeout, hello,
+                                self.grpc.address), ""
         except OSError as exc:  # other network namespace, refused peer, no memfd...
             return None, f"its socket is not reachable from here ({exc})"
 

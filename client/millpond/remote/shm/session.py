@@ -16,6 +16,10 @@ returns to the pool only when every array viewing it has been garbage
 collected (a weak reference to the arrays' common base). Results are writable;
 writes stay private to this process, and a reused segment first drops any
 privately written pages (``MADV_DONTNEED``), so it shows the server's new data.
+
+No reply is trusted: the counts a push or ``update_priorities`` answers are
+checked in :meth:`ShmSession._reply` (:mod:`millpond.remote.replies`), and
+one that cannot be the answer raises :class:`~millpond.errors.ProtocolError`.
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ from typing import Any
 import numpy as np
 
 from millpond.core.schema import Schema
-from millpond.errors import DeadlineExceededError, ServerUnavailableError, SharedMemoryError
+from millpond.errors import (
+    DeadlineExceededError,
+    ProtocolError,
+    ServerUnavailableError,
+    SharedMemoryError,
+)
+from millpond.remote import replies
 from millpond.remote.shm import memfd, protocol
 
 MIN_SEGMENT = 1 << 20
@@ -76,7 +86,9 @@ class ShmSession:
     """
 
     def __init__(self, socket_name: str, server_uid: int, deadline: float,
-                 served: Counter[str] | None = None, hello: dict[str, str] | None = None):
+                 served: Counter[str] | None = None, hello: dict[str, str] | None = None,
+                 address: str = ""):
+        self.address = address  # the server's, named in the errors of replies refused
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.settimeout(deadline)
         self.deadline = deadline
@@ -141,11 +153,12 @@ class ShmSession:
 
     def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
                    priorities: np.ndarray | None, timeout: float, deadline: float,
-                   updates: list | None = None) -> None:
+                   updates: list | None = None, capacity: int | None = None) -> None:
         """Copy validated columns ``[n, *shape]`` (and priorities) into the push segment; store them.
 
         ``priorities``: float64[n], after the columns in the segment.
         ``updates``: checked episode updates, applied with the records.
+        ``capacity``: the buffer's, to check the reply against.
         """
         spans, total = protocol.layout(schema, n)
         size = total + (0 if priorities is None else n * protocol.PRIORITY_DTYPE.itemsize)
@@ -166,7 +179,8 @@ class ShmSession:
             if priorities is not None:
                 message["priorities"] = _write_vector(mm, total, priorities,
                                                       protocol.PRIORITY_DTYPE)
-            self._request(message)
+            reply, _ = self._request(message)
+            self._reply(reply, "push", n=n, capacity=capacity)
 
     # ---- priorities -----------------------------------------------------------------
 
@@ -183,7 +197,7 @@ class ShmSession:
                 "indices": _write_vector(mm, 0, indices, protocol.INDEX_DTYPE),
                 "priorities": _write_vector(mm, start, priorities, protocol.PRIORITY_DTYPE),
             })
-        return reply["updated"]
+        return self._reply(reply, "update_priorities", n=n)
 
     def set_beta(self, buffer: str, beta: float, deadline: float) -> None:
         with self._lock:
@@ -313,6 +327,29 @@ class ShmSession:
         segment = _ResultSegment(reply["segment"], mm)
         self._results.append(segment)
         return segment
+
+    # ---- replies: what each may be (see the module docstring) -------------------------
+
+    def _reply(self, reply: dict[str, Any], op: str, n: int = 0,
+               capacity: int | None = None) -> Any:
+        """What the successful ``reply`` to ``op`` says, if it is possible; else
+        ProtocolError. ``push``: its ``pushed`` (``n`` records into a buffer of
+        ``capacity``); ``update_priorities``: how many of ``n`` were live. A session
+        that got a reply refused is :attr:`broken` (closed after the call, the
+        server's state with it)."""
+        try:
+            return self._possible(reply, op, n, capacity)
+        except ProtocolError:
+            self.broken = True
+            raise
+
+    def _possible(self, reply: dict[str, Any], op: str, n: int, capacity: int | None) -> Any:
+        if op == "push":
+            return replies.pushed(reply.get("size"), reply.get("pushed"), n, capacity, None,
+                                  self.address)
+        assert op == "update_priorities"
+        return replies.count(reply.get("updated"), n, self.address,
+                             f"fast-path {op} of {n:,} records")
 
     def close(self) -> None:
         """Close the connection; arrays already handed out stay valid."""
