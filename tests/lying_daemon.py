@@ -20,7 +20,12 @@ Counts, on both transports:
 
 Infos: ``size`` (every info claims 2**62 records), ``episodes`` (2**40 complete
 episodes), ``priority`` (a NaN priority total); ``config``: Create answers with
-twice the capacity asked. For tests only.
+twice the capacity asked.
+
+The fast path's replies: ``shm-extras`` (a sample says it wrote a prioritized buffer's
+``weights`` and ``indices``), ``shm-segment`` (a result segment's fd half the size
+asked), ``shm-segment-id`` (every result segment has the first one's id).
+For tests only.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ from typing import Any
 import numpy as np
 
 from millpond.core import TieredBuffer
+from millpond.remote.shm import memfd
 from millpond.wire import frames
-from millpond_server import cli, operations, service
+from millpond_server import cli, fastpath, operations, service
 
 LIE = os.environ.get("MILLPOND_LIE", "")
 _real_encode = frames.encode_with_batch
@@ -112,6 +118,30 @@ def _lying_create(self: operations.Operations, *args: Any, **kwargs: Any) -> Any
     return dataclasses.replace(info, config=config), created
 
 
+_real_fast_sample = fastpath.FastPathSession.sample
+
+
+def _lying_fast_sample(self: fastpath.FastPathSession, message: dict, fds: list[int]) -> Any:
+    reply, out_fds = _real_fast_sample(self, message, fds)
+    return {**reply, "extras": ["weights", "indices"]}, out_fds
+
+
+_real_result_segment = fastpath.FastPathSession.new_result_segment
+
+
+def _lying_result_segment(self: fastpath.FastPathSession, message: dict, fds: list[int]) -> Any:
+    if LIE == "shm-segment":  # a sealed memfd, but half the size asked
+        size = message["size"]
+        fd = memfd.create_segment(size // 2, "millpond-lie")
+        try:
+            return {"ok": True, "segment": 999}, [memfd.reopen_readonly(fd)]
+        finally:
+            os.close(fd)
+    reply, out_fds = _real_result_segment(self, message, fds)
+    first = self.__dict__.setdefault("first_result_segment", reply["segment"])
+    return {**reply, "segment": first}, out_fds
+
+
 LIARS: dict[str, tuple[Any, str, Any]] = {  # the lie -> (class, method, lying method)
     **{lie: (service.ReplayService, "_sample_frames", _lying_sample)
        for lie in ("rows", "dtype", "extra", "missing", "width", "seqs")},
@@ -121,6 +151,9 @@ LIARS: dict[str, tuple[Any, str, Any]] = {  # the lie -> (class, method, lying m
     **{lie: (operations.Operations, "info", _lying_info)
        for lie in ("size", "episodes", "priority")},
     "config": (operations.Operations, "create", _lying_create),
+    "shm-extras": (fastpath.FastPathSession, "sample", _lying_fast_sample),
+    "shm-segment": (fastpath.FastPathSession, "new_result_segment", _lying_result_segment),
+    "shm-segment-id": (fastpath.FastPathSession, "new_result_segment", _lying_result_segment),
 }
 
 if __name__ == "__main__":

@@ -221,3 +221,36 @@ def test_a_create_answered_with_another_config_is_refused(liars, shards, sharded
     client = connect(shards if sharded else None, liar, shm=False)
     with pytest.raises(millpond.ProtocolError, match=f"{liar.address}.*total_capacity"):
         client.create_buffer(f"config-{next(_names)}", capacity=90, obs_dim=2, act_dim=1)
+
+
+# ---- the fast path -------------------------------------------------------------------------
+
+def test_a_fast_path_sample_that_claims_extras_it_was_not_asked_for_is_refused(liars):
+    liar = liars("shm-extras")
+    buf = millpond.connect(liar.address, shm=True).create_buffer(
+        f"extras-{next(_names)}", capacity=30, obs_dim=2, act_dim=1)
+    buf.push_batch(**transitions(0, 20))
+    with pytest.raises(millpond.ProtocolError, match=liar.address):
+        buf.sample(8)
+
+
+def test_a_result_segment_smaller_than_asked_is_refused(liars):
+    liar = liars("shm-segment")
+    buf = millpond.connect(liar.address, shm=True).create_buffer(
+        f"segment-{next(_names)}", capacity=30, obs_dim=2, act_dim=1)
+    buf.push_batch(**transitions(0, 20))
+    with pytest.raises(millpond.ProtocolError, match="not the segment asked for"):
+        buf.sample(8)
+
+
+def test_a_result_segment_with_the_id_of_one_in_use_is_refused(liars):
+    """The server would write the next sample into a result the caller still holds."""
+    liar = liars("shm-segment-id")
+    buf = millpond.connect(liar.address, shm=True).create_buffer(
+        f"segment-id-{next(_names)}", capacity=30, obs_dim=2, act_dim=1)
+    buf.push_batch(**transitions(0, 20))
+    kept = buf.sample(8, seed=1)  # holds the first result segment
+    snapshot = kept["obs"].copy()
+    with pytest.raises(millpond.ProtocolError, match="segment id"):
+        buf.sample(8, seed=2)
+    np.testing.assert_array_equal(kept["obs"], snapshot)
