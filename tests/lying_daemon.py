@@ -9,7 +9,8 @@ filtered and n-step, windows, episodes, the catalog, reads):
 * ``dtype``: float32 columns sent as float64;
 * ``extra``: one more column; ``missing``: a column left out;
 * ``width``: windows and episodes (the arrays as wide as ``mask``) 1,000 steps wider;
-* ``seqs``: the catalog's ``seqs`` one short of its lengths.
+* ``seqs``: the catalog's ``seqs`` one short of its lengths;
+* ``indices``: a prioritized sample's ``indices`` past ``2**48`` (another shard's).
 
 Counts, on both transports:
 
@@ -18,9 +19,10 @@ Counts, on both transports:
   possible alone, not one after another);
 * ``updated``: ``update_priorities`` counts one more record than it was given.
 
-Infos: ``size`` (every info claims 2**62 records), ``episodes`` (2**40 complete
-episodes), ``priority`` (a NaN priority total); ``config``: Create answers with
-twice the capacity asked.
+Infos: ``size`` (every info claims 2**62 records), ``capacity`` (Info, not Create nor
+List: a thousand times the capacity, and as many records), ``episodes`` (2**40
+complete episodes), ``priority`` (a NaN priority total); ``config``: Create answers
+with twice the capacity asked.
 
 The fast path's replies: ``shm-extras`` (a sample says it wrote a prioritized buffer's
 ``weights`` and ``indices``), ``shm-segment`` (a result segment's fd half the size
@@ -66,6 +68,8 @@ def _lying_columns(field: int, columns: Any, *args: Any, **kwargs: Any) -> bytes
                    if column.shape[:2] == steps else column for name, column in columns.items()}
     elif LIE == "seqs" and "seqs" in columns:
         columns["seqs"] = columns["seqs"][:-1]
+    elif LIE == "indices" and "indices" in columns:
+        columns["indices"] = columns["indices"] + (1 << 48)
     return _real_encode(field, columns, *args, **kwargs)
 
 
@@ -102,6 +106,11 @@ def _lying_info(self: operations.Operations, name: str, buffer: Any = None) -> A
     info = _real_info(self, name, buffer)
     if LIE == "size":
         return dataclasses.replace(info, size=2**62)
+    if LIE == "capacity" and buffer is None:  # the Info call (Create and List pass the buffer)
+        config = dataclasses.replace(info.config, hot_capacity=info.config.hot_capacity * 1000,
+                                     total_capacity=info.config.total_capacity * 1000)
+        size = config.total_capacity
+        return dataclasses.replace(info, config=config, size=size, pushed=max(size, info.pushed))
     if LIE == "episodes":
         return dataclasses.replace(info, episodes=2**40)
     if LIE == "priority":
@@ -144,12 +153,12 @@ def _lying_result_segment(self: fastpath.FastPathSession, message: dict, fds: li
 
 LIARS: dict[str, tuple[Any, str, Any]] = {  # the lie -> (class, method, lying method)
     **{lie: (service.ReplayService, "_sample_frames", _lying_sample)
-       for lie in ("rows", "dtype", "extra", "missing", "width", "seqs")},
+       for lie in ("rows", "dtype", "extra", "missing", "width", "seqs", "indices")},
     "push": (operations.Operations, "push_batch", _lying_push_batch),
     "pushed": (operations.Operations, "push_batch", _lying_push_batch),
     "updated": (TieredBuffer, "update_priorities", _lying_update_priorities),
     **{lie: (operations.Operations, "info", _lying_info)
-       for lie in ("size", "episodes", "priority")},
+       for lie in ("size", "capacity", "episodes", "priority")},
     "config": (operations.Operations, "create", _lying_create),
     "shm-extras": (fastpath.FastPathSession, "sample", _lying_fast_sample),
     "shm-segment": (fastpath.FastPathSession, "new_result_segment", _lying_result_segment),

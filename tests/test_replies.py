@@ -130,6 +130,18 @@ def test_a_catalog_whose_seqs_are_not_its_episodes_is_refused(liars, shards, sha
         buf.episode_catalog()
 
 
+def test_a_shards_indices_that_name_another_shard_are_refused(liars, shards):
+    """Alone, an index is the daemon's to give; over shards, one past 2**48 would route
+    update_priorities to another shard."""
+    liar = liars("indices")
+    client = connect(shards, liar, shm=False)
+    buf = client.create_buffer("indices", capacity=300, obs_dim=2, act_dim=1, prioritized=True)
+    for _ in range(3):
+        client.buffer("indices").push_batch(**transitions(0, 40))
+    with pytest.raises(millpond.ProtocolError, match=liar.address):
+        buf.sample(64)
+
+
 # ---- counts: pushes and update_priorities, on both transports -----------------------------
 
 TRANSPORTS = [pytest.param(False, id="grpc"), pytest.param(True, id="shm")]
@@ -200,6 +212,21 @@ def test_a_shard_that_claims_an_impossible_size_is_refused(liars, shards):
         buf.sample(8)
 
 
+def test_a_shard_that_claims_more_than_its_share_of_the_capacity_is_refused(liars, shards):
+    """Its Create was honest; its Info then claims a thousand times the capacity, and
+    as many records, which would take every draw: possible for a buffer of that
+    capacity, not for its share of this one."""
+    liar = liars("capacity")
+    client = connect(shards, liar, shm=False)
+    buf = client.create_buffer(f"share-{next(_names)}", capacity=90, obs_dim=2, act_dim=1)
+    for _ in range(3):
+        client.buffer(buf.backend.name).push_batch(**transitions(0, 20))
+    with pytest.raises(millpond.ProtocolError, match=f"shard 2 \\({liar.address}\\)"):
+        buf.sample(64)
+    alone = millpond.connect(liar.address, shm=False).buffer(buf.backend.name)
+    assert alone.info().size == 30_000  # alone, the client cannot know
+
+
 @pytest.mark.parametrize("sharded", SHARDED)
 def test_more_episodes_than_the_capacity_are_refused(liars, shards, sharded):
     liar = liars("episodes")
@@ -221,6 +248,27 @@ def test_a_create_answered_with_another_config_is_refused(liars, shards, sharded
     client = connect(shards if sharded else None, liar, shm=False)
     with pytest.raises(millpond.ProtocolError, match=f"{liar.address}.*total_capacity"):
         client.create_buffer(f"config-{next(_names)}", capacity=90, obs_dim=2, act_dim=1)
+
+
+def test_attaching_to_shards_whose_buffers_differ_is_refused(shards):
+    """Honest daemons, one buffer name made differently on one shard: its samples would
+    merge with the others' (float64 beside float32), so attaching is refused."""
+    name = f"differs-{next(_names)}"
+    for address in shards[:2]:
+        millpond.connect(address).create_buffer(name, capacity=30, obs_dim=2, act_dim=1)
+    millpond.connect(shards[2]).create_buffer(
+        name, capacity=30, fields={"obs": ("float64", (2,))})
+    with pytest.raises(millpond.ConfigMismatchError, match=f"shard 2 \\({shards[2]}\\)"):
+        millpond.connect(shards).buffer(name)
+
+
+def test_a_shard_holding_a_buffer_larger_than_the_whole_is_refused(shards):
+    """The buffer exists on one shard only, with more capacity than the sharded buffer
+    asked for: its size could then be beyond any share."""
+    name = f"larger-{next(_names)}"
+    millpond.connect(shards[2]).create_buffer(name, capacity=1000, obs_dim=2, act_dim=1)
+    with pytest.raises(millpond.ConfigMismatchError, match="total_capacity: has 1000"):
+        millpond.connect(shards).create_buffer(name, capacity=90, obs_dim=2, act_dim=1)
 
 
 # ---- the fast path -------------------------------------------------------------------------
