@@ -3,9 +3,10 @@ ProtocolError naming it, never wrong arrays, a raw KeyError or a draw that skips
 
 Each lie is told by a real daemon (one per lie, started once for the module); the
 same calls go to it alone and, as one shard among honest daemons, through the sharded
-client. Without the checks every test here fails (wrong rows, dtypes or columns handed
-out, a KeyError, draws placed by a size no shard can hold, a result changed under the
-caller's feet)."""
+client. Without its check each lie gets through (wrong rows, dtypes or columns handed
+out, a raw KeyError or ValueError from a merge, draws placed by a size no shard can
+hold, a result changed under the caller's feet); the stack's test is the other side, an
+honest reply a check must not refuse."""
 
 from __future__ import annotations
 
