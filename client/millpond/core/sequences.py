@@ -167,6 +167,22 @@ def sequence_specs(config: BufferConfig, batch_size: int, seq_len: int) -> Spec:
              ("start_steps", _I8, (b,)), *_meta_specs(config, b), *_extra_specs(config, b)))
 
 
+def episode_specs(config: BufferConfig, batch_size: int, width: int) -> Spec:
+    """Every array :func:`sample_episodes` returns, ``width`` steps wide (its ``max_len``,
+    or the longest episode drawn)."""
+    b = batch_size
+    return ((*((f.name, f.dtype, (b, width, *f.shape)) for f in config.schema),
+             ("mask", _BOOL, (b, width)), ("lens", _I8, (b,)), ("episode_ids", _I8, (b,)),
+             *_meta_specs(config, b)))
+
+
+def catalog_specs(config: BufferConfig, episodes: int, records: int) -> Spec:
+    """Every array :func:`catalog` returns for ``episodes`` episodes of ``records``
+    records in all."""
+    return (("episode_ids", _I8, (episodes,)), *_meta_specs(config, episodes),
+            ("lens", _I8, (episodes,)), ("seqs", _I8, (records,)))
+
+
 def n_step_specs(config: BufferConfig, batch_size: int) -> Spec:
     """Every array :func:`sample_n_step` returns."""
     return ((*((f.name, f.dtype, (batch_size, *f.shape)) for f in config.schema),

@@ -90,12 +90,13 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
         wait, deadline = self._client.budget(timeout, self._may_wait)
         connection = self._client.connection
         window = self._push_window(connection)
+        capacity = self.config.total_capacity  # (the reply's size is checked against it)
         if window is not None:
             connection.grpc.push_batch(self.name, schema, n, batch, priorities, wait, deadline,
-                                       updates, window)
+                                       updates, capacity, window)
         else:
             connection.call("push_batch", self.name, schema, n, batch, priorities, wait,
-                            deadline, updates)
+                            deadline, updates, capacity)
 
     def _push_window(self, connection: Connection) -> PushWindow | None:
         """This handle's window of pushes in flight on ``connection``, if it has one
@@ -105,7 +106,8 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
             return None
         window = self._window
         if window is None or window[0] is not connection:
-            window = self._window = (connection, connection.grpc.push_window(size))
+            window = self._window = (connection, connection.grpc.push_window(
+                size, ordered=self.config.mode != "stack"))  # (a stack's pops lower pushed)
         return window[1]
 
     def flush(self) -> None:

@@ -48,7 +48,7 @@ class Transport(Protocol):
 
     def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
                    priorities: np.ndarray | None, timeout: float, deadline: float,
-                   updates: list | None = None) -> None: ...
+                   updates: list | None = None, capacity: int | None = None) -> None: ...
 
     def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
                extras: bool, timeout: float, deadline: float,
@@ -171,7 +171,8 @@ class Connection:
         # else our token.
         hello = {"ticket": offer.ticket} if offer.ticket else self.credentials.hello()
         try:
-            return ShmTransport(offer.socket, offer.uid, self._timeout, hello), ""
+            return ShmTransport(offer.socket, offer.uid, self._timeout, hello,
+                                self.grpc.address), ""
         except OSError as exc:  # other network namespace, refused peer, no memfd...
             return None, f"its socket is not reachable from here ({exc})"
 

@@ -18,13 +18,22 @@ may or may not have been stored, and the caller must know.
 
 Every call carries the client's metadata (``authorization: Bearer TOKEN``
 when it has a token, see :mod:`millpond.remote.security`).
+
+No reply is trusted: every reply decoded here is checked against the buffer's
+config and the request before it is returned, and one that cannot be the
+answer raises :class:`~millpond.errors.ProtocolError` naming the server. The
+columns of every reply framed like a SampleReply in :meth:`GrpcTransport._checked`,
+every BufferInfo in :meth:`GrpcTransport._info`, the counts (pushes,
+``update_priorities``) in :mod:`millpond.remote.replies`. Names, dtypes and
+shapes only: no check reads the data.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import grpc
 import numpy as np
@@ -32,12 +41,21 @@ import numpy as np
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo
 from millpond.core.schema import Schema
+from millpond.core.sequences import (
+    Spec,
+    catalog_specs,
+    episode_specs,
+    n_step_specs,
+    read_specs,
+    sequence_specs,
+)
 from millpond.errors import (
     DeadlineExceededError,
     MessageTooLargeError,
     ProtocolError,
     ServerStartingError,
 )
+from millpond.remote import replies
 from millpond.remote.grpc_streams import ThreadStreams
 from millpond.remote.push_window import PushWindow
 from millpond.remote.shm.protocol import SAMPLE_EXTRAS
@@ -163,9 +181,11 @@ class GrpcTransport:
 
     def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
                    priorities: np.ndarray | None, timeout: float, deadline: float,
-                   updates: list | None = None, window: PushWindow | None = None) -> None:
+                   updates: list | None = None, capacity: int | None = None,
+                   window: PushWindow | None = None) -> None:
         """Store a batch; with ``window``, return once it is sent (acknowledged later:
-        see :class:`PushWindow`)."""
+        see :class:`PushWindow`). ``capacity``: the buffer's, to check the reply against
+        (see :func:`millpond.remote.replies.pushed`)."""
         nbytes = n * schema.record_nbytes + FRAMING_BYTES
         if nbytes > self.max_message_bytes:
             raise MessageTooLargeError(
@@ -177,14 +197,23 @@ class GrpcTransport:
             request += encode_messages(PUSH_UPDATES_FIELD, [
                 u.SerializeToString() for u in encode_updates(buffer, updates).updates])
         if window is not None:
-            window.send(request, deadline)
+            window.send(request, deadline, functools.partial(
+                self._pushed, n=n, capacity=capacity))
         else:
-            self.invoke(self._push_batch, request, deadline, len(request) <= STREAMED_MAX_BYTES)
+            self._pushed(self.invoke(self._push_batch, request, deadline,
+                                     len(request) <= STREAMED_MAX_BYTES), None, n, capacity)
 
-    def push_window(self, size: int) -> PushWindow:
+    def _pushed(self, reply: pb.PushReply, after: int | None, n: int,
+                capacity: int | None) -> int:
+        """The ``pushed`` of a PushReply, if possible (:func:`replies.pushed`)."""
+        return replies.pushed(reply.size, reply.pushed, n, capacity, after, self.address)
+
+    def push_window(self, size: int, ordered: bool) -> PushWindow:
         """A window of ``size`` pushes in flight on a stream of its own (see
-        :mod:`millpond.remote.push_window`), for :meth:`push_batch`'s ``window``."""
-        return PushWindow(self._streams, self._push_stream, size)
+        :mod:`millpond.remote.push_window`), for :meth:`push_batch`'s ``window``.
+        ``ordered``: each reply's ``pushed`` is at least the one before it plus its
+        records (the buffer is not a stack: see :mod:`millpond.remote.replies`)."""
+        return PushWindow(self._streams, self._push_stream, size, ordered)
 
     def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
                extras: bool, timeout: float, deadline: float,
@@ -197,26 +226,24 @@ class GrpcTransport:
                                        ).SerializeToString()
         small = batch_size * schema.record_nbytes <= STREAMED_MAX_BYTES
         columns = self._columns(self.invoke(self._sample, request, deadline, small))
-        expected = {f.name: (f.dtype, f.shape) for f in schema}
-        if extras:
-            expected.update({name: (dtype, ()) for name, dtype in SAMPLE_EXTRAS.items()})
-        return self._checked(columns, expected, batch_size, f"sample({batch_size})")
+        return self._checked(columns, _sample_specs(schema, batch_size, extras),
+                             f"sample({batch_size})")
 
-    def _checked(self, columns: dict[str, np.ndarray],
-                 expected: Mapping[str, tuple[np.dtype, tuple[int, ...]]], rows: int,
-                 what: str) -> dict[str, np.ndarray]:
-        """``columns`` if they are exactly ``expected`` (name -> dtype, per-row shape) with
-        ``rows`` rows each; else ProtocolError (the client trusts no reply)."""
-        if columns.keys() != expected.keys():
-            raise ProtocolError(
-                f"the server at {self.address or '?'} answered {what} with columns "
-                f"{sorted(columns)[:20]}, not {sorted(expected)}")
-        for name, (dtype, shape) in expected.items():
+    def _checked(self, columns: dict[str, np.ndarray], specs: Spec, what: str
+                 ) -> dict[str, np.ndarray]:
+        """``columns`` if they are exactly the arrays of ``specs`` (name, dtype, whole
+        shape: what the engine returns for the request, as :mod:`millpond.core.sequences`
+        describes it); else ProtocolError. No more, no fewer names; each array of that
+        dtype and shape, rows included. A few comparisons per column: it runs on every
+        sample."""
+        if len(columns) != len(specs) or any(name not in columns for name, _, _ in specs):
+            raise replies.refused(self.address, what, f"columns {sorted(columns)[:20]}, not "
+                                  f"{sorted(name for name, _, _ in specs)}")
+        for name, dtype, shape in specs:
             column = columns[name]
-            if column.dtype != dtype or column.shape != (rows, *shape):
-                raise ProtocolError(
-                    f"the server at {self.address or '?'} answered {what} with {name} "
-                    f"{column.dtype}{list(column.shape)}, not {np.dtype(dtype)}{[rows, *shape]}")
+            if column.dtype != dtype or column.shape != shape:
+                raise replies.refused(self.address, what, f"{name} {column.dtype}"
+                                      f"{list(column.shape)}, not {np.dtype(dtype)}{list(shape)}")
         return columns
 
     def _columns(self, reply: bytes) -> dict[str, np.ndarray]:
@@ -239,7 +266,9 @@ class GrpcTransport:
         request = pb.SampleRequest(name=buffer, batch_size=batch_size, seed=params["seed"],
                                    timeout=timeout, filter_meta=encode_meta(filter_meta),
                                    n_step=params["n_step"], gamma=params["gamma"])
-        return self._columns(self.invoke(self._sample, request.SerializeToString(), deadline))
+        columns = self._columns(self.invoke(self._sample, request.SerializeToString(), deadline))
+        return self._checked(columns, n_step_specs(config, batch_size),
+                             f"sample({batch_size}, n_step={params['n_step']})")
 
     def sample_sequences(self, buffer: str, config: BufferConfig, batch_size: int,
                          filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
@@ -247,7 +276,9 @@ class GrpcTransport:
         request = pb.SampleSequencesRequest(
             name=buffer, batch_size=batch_size, seq_len=params["seq_len"], seed=params["seed"],
             timeout=timeout, filter_meta=encode_meta(filter_meta))
-        return self._columns(self.invoke(self._bytes["SampleSequences"], request, deadline))
+        columns = self._columns(self.invoke(self._bytes["SampleSequences"], request, deadline))
+        return self._checked(columns, sequence_specs(config, batch_size, params["seq_len"]),
+                             f"sample_sequences({batch_size}, {params['seq_len']})")
 
     def sample_episodes(self, buffer: str, config: BufferConfig, batch_size: int,
                         filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
@@ -255,13 +286,33 @@ class GrpcTransport:
         request = pb.SampleEpisodesRequest(
             name=buffer, batch_size=batch_size, seed=params["seed"], max_len=params["max_len"],
             timeout=timeout, filter_meta=encode_meta(filter_meta))
-        return self._columns(self.invoke(self._bytes["SampleEpisodes"], request, deadline))
+        columns = self._columns(self.invoke(self._bytes["SampleEpisodes"], request, deadline))
+        what, width = f"sample_episodes({batch_size})", params["max_len"]
+        if width is None:  # the longest drawn: no longer than the buffer holds
+            mask = columns.get("mask")
+            width = mask.shape[1] if mask is not None and mask.ndim == 2 else 0
+            if not 0 < width <= config.total_capacity:
+                raise replies.refused(self.address, what, f"episodes {width:,} steps wide, "
+                                      f"in a buffer of {config.total_capacity:,} records")
+        return self._checked(columns, episode_specs(config, batch_size, width), what)
 
     def episode_catalog(self, buffer: str, config: BufferConfig,
                         filter_meta: dict[str, np.ndarray] | None,
                         deadline: float) -> dict[str, np.ndarray]:
         request = pb.EpisodeCatalogRequest(name=buffer, filter_meta=encode_meta(filter_meta))
-        return self._columns(self.invoke(self._bytes["EpisodeCatalog"], request, deadline))
+        columns = self._columns(self.invoke(self._bytes["EpisodeCatalog"], request, deadline))
+        lens, seqs = columns.get("lens"), columns.get("seqs")
+        episodes, records = (len(a) if a is not None and a.ndim else 0 for a in (lens, seqs))
+        self._checked(columns, catalog_specs(config, episodes, records), "episode_catalog")
+        assert lens is not None  # (checked)
+        # Not a learner's hot call: the lengths (one per episode) are summed.
+        if records > config.total_capacity or (episodes and (
+                lens.min() < 1 or int(lens.sum()) != records)):
+            raise replies.refused(self.address, "episode_catalog", f"{episodes:,} episodes "
+                                  f"of {records:,} records in all, their lengths summing to "
+                                  f"{int(lens.sum()):,}, in a buffer of "
+                                  f"{config.total_capacity:,} records")
+        return columns
 
     def read(self, buffer: str, config: BufferConfig, seqs: np.ndarray, names: list[str] | None,
              deadline: float, positions: bool = False, episode_ids: bool = False
@@ -269,13 +320,8 @@ class GrpcTransport:
         request = pb.ReadRequest(name=buffer, seqs=seqs.tolist(), fields=names or [],
                                  positions=positions, episode_ids=episode_ids)
         columns = self._columns(self.invoke(self._bytes["Read"], request, deadline))
-        schema = config.schema
-        expected = {name: (schema[name].dtype, schema[name].shape)
-                    for name in names or schema.names}
-        expected["live"] = (np.dtype(bool), ())
-        if episode_ids:
-            expected["episode_ids"] = (np.dtype(np.int64), ())
-        return self._checked(columns, expected, len(seqs), f"read of {len(seqs)} records")
+        return self._checked(columns, read_specs(config, len(seqs), names, episode_ids),
+                             f"read of {len(seqs)} records")
 
     def reset(self, buffer: str, deadline: float) -> None:
         self.invoke(self.stub.Reset, pb.ResetRequest(name=buffer), deadline)
@@ -289,7 +335,9 @@ class GrpcTransport:
                           deadline: float) -> int:
         request = pb.UpdatePrioritiesRequest(name=buffer, indices=indices.tolist(),
                                              priorities=priorities.tolist())
-        return self.invoke(self.stub.UpdatePriorities, request, deadline).updated
+        updated = self.invoke(self.stub.UpdatePriorities, request, deadline).updated
+        return replies.count(updated, len(indices), self.address,
+                             f"update_priorities of {len(indices):,} records")
 
     def set_beta(self, buffer: str, beta: float, deadline: float) -> None:
         self.invoke(self.stub.SetBeta, pb.SetBetaRequest(name=buffer, beta=beta), deadline)
@@ -297,23 +345,41 @@ class GrpcTransport:
     # ---- control ------------------------------------------------------------------
 
     def create(self, name: str, config: BufferConfig, deadline: float) -> tuple[BufferInfo, bool]:
-        """Create ``name`` (or attach to it); return its info and whether it is new."""
+        """Create ``name`` (or attach to it); return its info and whether it is new. The
+        reply's config must be ``config`` (a buffer is made with it, or attached where
+        it is equal), else ProtocolError: handles check every later reply against it."""
         request = pb.CreateRequest(name=name, config=config_to_proto(config))
         reply = self.invoke(self.stub.Create, request, deadline)
-        return self._info(reply.info), reply.created
+        info = self._info(reply.info)
+        if info.config != config:  # made with it, or attached where it is equal
+            raise replies.refused(self.address, f"Create of buffer {name!r}", "its config "
+                                  + "; ".join(f"{setting}: {has}, asked for {wants}" for
+                                              setting, has, wants in info.config.differences(
+                                                  config)))
+        return info, reply.created
 
     def info(self, name: str, deadline: float) -> BufferInfo:
         return self._info(self.invoke(self.stub.Info, pb.InfoRequest(name=name), deadline))
 
     def _info(self, message: pb.BufferInfo) -> BufferInfo:
-        """The info in a reply, if its sizes are possible; else ProtocolError (a size
-        beyond the capacity would skew every draw over shards)."""
+        """The info in a reply, if its counts are possible; else ProtocolError (a size or
+        a priority mass beyond belief would skew every draw over shards). Possible:
+        ``0 <= size <= min(total_capacity, pushed)``; complete episodes and episodes
+        in progress (each has a live record) at most ``total_capacity`` together;
+        priority total finite, it and the minimum not negative (nor NaN)."""
         info = info_from_proto(message)
-        if not 0 <= info.size <= min(info.total_capacity, info.pushed):
+        episodes = (info.episodes, info.episodes_in_progress)
+        total, least = info.priority_total, info.priority_min
+        if not (0 <= info.size <= min(info.total_capacity, info.pushed)
+                and min(episodes) >= 0 and sum(episodes) <= info.total_capacity
+                and (total is None or 0 <= total < math.inf)
+                and (least is None or 0 <= least)):  # (inf when empty; never NaN)
             raise ProtocolError(
                 f"the server at {self.address or '?'} reported buffer {info.name!r} holding "
-                f"{info.size:,} records, with capacity {info.total_capacity:,} and "
-                f"{info.pushed:,} pushed")
+                f"{info.size:,} records, {info.episodes:,} complete episodes and "
+                f"{info.episodes_in_progress:,} in progress, priority total and minimum "
+                f"{info.priority_total} and {info.priority_min}, with capacity "
+                f"{info.total_capacity:,} and {info.pushed:,} pushed")
         return info
 
     def list(self, deadline: float) -> list[BufferInfo]:
@@ -325,6 +391,14 @@ class GrpcTransport:
 
     def negotiate(self, boot_id: str, deadline: float) -> pb.NegotiateReply:
         return self.invoke(self.stub.Negotiate, pb.NegotiateRequest(boot_id=boot_id), deadline)
+
+
+@functools.lru_cache(maxsize=256)
+def _sample_specs(schema: Schema, batch_size: int, extras: bool) -> Spec:
+    """What a sample of ``batch_size`` records of ``schema`` returns (``extras``: a
+    prioritized buffer's :data:`SAMPLE_EXTRAS` too)."""
+    return (*((f.name, f.dtype, (batch_size, *f.shape)) for f in schema),
+            *((name, dtype, (batch_size,)) for name, dtype in SAMPLE_EXTRAS.items() if extras))
 
 
 @functools.lru_cache(maxsize=256)

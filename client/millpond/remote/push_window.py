@@ -18,7 +18,13 @@ stream's messages one after another, in the order sent. The contract:
   stream, it was still starting) are sent again, in order, on a new stream;
 * a reply that does not come within its push's deadline is a
   DeadlineExceededError: that push and the ones after it may or may not have
-  been stored.
+  been stored;
+* each reply is checked by its push's ``check`` (the transport's: a
+  ProtocolError for one that cannot be the answer), given the ``pushed`` of
+  the reply before it on the same stream when that must be smaller (an
+  ``ordered`` window: see :mod:`millpond.remote.replies`). A reply refused
+  fails its push like an error: the stream is ended, and the pushes after it
+  may or may not have been stored.
 """
 
 from __future__ import annotations
@@ -30,17 +36,25 @@ import sys
 import threading
 import time
 import weakref
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import grpc
 
-from millpond.errors import DeadlineExceededError, ServerStartingError, ServerUnavailableError
+from millpond.errors import (
+    DeadlineExceededError,
+    ProtocolError,
+    ServerStartingError,
+    ServerUnavailableError,
+)
 from millpond.remote.grpc_streams import CallStream, StreamBroken, ThreadStreams
 from millpond.wire.status import error_from_rpc
 
 # Sends again of the pushes of a stream that ended before serving them, in a row.
 MAX_RESENDS = 3
 _RETRY_FIRST, _RETRY_MAX = 0.05, 1.0
+# A push's check of its reply: (reply, pushed of the reply before it on the stream or
+# None) -> the reply's pushed; raises ProtocolError.
+Check = Callable[[Any, "int | None"], int]
 
 
 class PushWindow:
@@ -48,20 +62,24 @@ class PushWindow:
     Thread-safe: pushes from several threads go out in the order they take the lock."""
 
     def __init__(self, streams: ThreadStreams, method: grpc.StreamStreamMultiCallable,
-                 size: int):
+                 size: int, ordered: bool = False):
         self.size = size
+        self.ordered = ordered
         self._streams = streams
         self._method = method
         self._stream: CallStream | None = None
-        self._pending: collections.deque[tuple[bytes, float]] = collections.deque()
+        self._pushed: int | None = None  # the last reply's on this stream (ordered)
+        self._pending: collections.deque[tuple[bytes, float, Check | None]] = \
+            collections.deque()
         self._error: BaseException | None = None  # raised by the next send or flush
         self._lock = threading.Lock()
         _LIVE.add(self)
 
-    def send(self, request: bytes, deadline: float) -> None:
+    def send(self, request: bytes, deadline: float, check: Check | None = None) -> None:
         """Send ``request`` (a framed PushBatchRequest), to be acknowledged within
-        ``deadline`` seconds; see the module docstring. Raises the failure of an
-        earlier push instead of sending (then this one is not sent)."""
+        ``deadline`` seconds, its reply checked by ``check``; see the module docstring.
+        Raises the failure of an earlier push instead of sending (then this one is not
+        sent)."""
         with self._lock:
             self._raise_kept()
             if self._stream is not None and self._stream.broken:  # it may have failed
@@ -70,7 +88,7 @@ class PushWindow:
             while len(self._pending) >= self.size:
                 self._settle_oldest()
                 self._raise_kept()
-            self._pending.append((request, time.monotonic() + deadline))
+            self._pending.append((request, time.monotonic() + deadline, check))
             self._send_pending([self._pending[-1]])
             if _exiting:  # nobody is left to flush it: acknowledged before returning
                 self._settle_all()
@@ -94,13 +112,19 @@ class PushWindow:
         """Take the oldest push's reply, or settle its failure."""
         resends, delay = 0, _RETRY_FIRST
         while True:
-            _, end = self._pending[0]
+            _, end, check = self._pending[0]
             stream = self._stream
             assert stream is not None  # every pending push was sent on it
             try:
                 with stream.busy:
-                    stream.receive(end - time.monotonic())
+                    reply = stream.receive(end - time.monotonic())
+                if check is not None:
+                    pushed = check(reply, self._pushed)
+                    self._pushed = pushed if self.ordered else None
                 self._pending.popleft()
+                return
+            except ProtocolError as exc:  # stored, by its word: but nothing it says is sure
+                self._fail(exc, "may or may not have been stored")
                 return
             except StreamBroken:  # it ended without reading the rest: nothing was done
                 error: BaseException | None = None
@@ -130,14 +154,14 @@ class PushWindow:
             self._settle_oldest()
         self._raise_kept()
 
-    def _send_pending(self, pushes: Iterable[tuple[bytes, float]]) -> None:
+    def _send_pending(self, pushes: Iterable[tuple[bytes, float, Check | None]]) -> None:
         """Send ``pushes`` (of :attr:`_pending`) on the stream, opening one if needed. On a
         stream that has ended, the rest are not sent: the replies say what became of
         the pushes before them, and those are settled as their fate says."""
         if self._stream is None:
             self._stream = self._streams.open(self._method)
         with self._stream.busy:
-            for request, _ in pushes:
+            for request, _, _ in pushes:
                 try:
                     self._stream.send(request)
                 except StreamBroken:
@@ -159,6 +183,7 @@ class PushWindow:
             raise error
 
     def _end_stream(self) -> None:
+        self._pushed = None  # a new stream may reach a new daemon
         if self._stream is not None:
             self._stream.close()
             self._stream = None

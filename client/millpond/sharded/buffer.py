@@ -45,6 +45,18 @@ from them on its own. Across shards:
 * If a handle's shard stops answering mid-episode, the rest of the episode
   goes to the next shard, which stores it as an episode of its own (steps
   from 0); the head stays on the old shard, never ended.
+
+No shard is trusted. Each shard's replies are checked by its transport
+against the shard's config and the request made of it (rows, columns,
+dtypes, shapes: :mod:`millpond.remote.grpc_transport`,
+:mod:`millpond.remote.shm.session`), and every shard's config has the same
+schema (:mod:`millpond.sharded.client` checks it when creating or attaching),
+so the parts merged here are alike and hold the rows asked of each. What only
+the sharded buffer can know is checked here, raising ProtocolError naming the
+shard's address: a shard's size and episodes within its share of the capacity
+(:meth:`ShardedBuffer._shard_info`: draws are placed by them), and the
+``indices`` and catalog ``seqs`` it returns below ``2**48`` (they would name
+another shard's records: :meth:`ShardedBuffer._encoded`).
 """
 
 from __future__ import annotations
@@ -61,11 +73,13 @@ from millpond.errors import (
     BufferNotFoundError,
     IndexOutOfRangeError,
     NotEnoughDataError,
+    ProtocolError,
     ServerUnavailableError,
 )
 from millpond.remote.buffer import RemoteBuffer, read_all
 from millpond.remote.writes import QueuedWrites
 from millpond.sharded.placement import (
+    SHARD_SHIFT,
     aggregate,
     cap,
     decode_indices,
@@ -137,15 +151,32 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
         """The info of every shard that answers (every shard is tried if none is live)."""
         client = self._client
         live = client.live() or list(range(client.shards))
-        infos, errors = client.fan_out(live, lambda s: client.clients[s].connection.grpc.info(
-            self.name, client.timeout))
+        infos, errors = client.fan_out(live, self._shard_info)
         raise_answered(errors)
         if self._beta is not None:  # a shard that was down missed a set_beta
             stale = [s for s, i in infos.items() if i.beta is not None and i.beta != self._beta]
             for s in stale:
                 self.remotes[s].set_beta(self._beta)
-                infos[s] = client.clients[s].connection.grpc.info(self.name, client.timeout)
+                infos[s] = self._shard_info(s)
         return infos
+
+    def _shard_info(self, shard: int) -> BufferInfo:
+        """The info of ``shard``, if possible for its share of the buffer (its config's
+        ``total_capacity``): its size, and its complete episodes and episodes in
+        progress together, at most that; else ProtocolError naming the shard. (Its
+        transport checked the rest: see :meth:`GrpcTransport._info
+        <millpond.remote.grpc_transport.GrpcTransport._info>`.) A size beyond the share
+        would take draws from every other shard."""
+        client = self._client
+        info = client.clients[shard].connection.grpc.info(self.name, client.timeout)
+        share = self.shard_configs[shard].total_capacity
+        if max(info.size, info.episodes + info.episodes_in_progress) > share:
+            raise ProtocolError(
+                f"shard {shard} ({client.addresses[shard]}) reported buffer {self.name!r} "
+                f"holding {info.size:,} records, {info.episodes:,} complete episodes and "
+                f"{info.episodes_in_progress:,} in progress: more than its share of the "
+                f"capacity, {share:,} records")
+        return info
 
     # ---- writes ---------------------------------------------------------------------------
 
@@ -301,11 +332,21 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
         """A shard's sample with indices that carry the shard and weights against the
         whole buffer's smallest priority (``info``: the shard's, read before the draw)."""
         if "indices" in part:
-            part["indices"] = encode_indices(shard, part["indices"])
+            part["indices"] = self._encoded(shard, part["indices"], "indices")
         if "weights" in part and info is not None and global_min is not None:
             part["weights"] = rescale_weights(part["weights"], info.priority_min, global_min,
                                               info.beta)
         return part
+
+    def _encoded(self, shard: int, seqs: np.ndarray, what: str) -> np.ndarray:
+        """A shard's ``seqs`` (int64, checked by its transport) as the sharded buffer's
+        (:func:`encode_indices`), if each is a seq (in ``[0, 2**48)``); else
+        ProtocolError naming the shard: one beyond would name another shard's record."""
+        if len(seqs) and not 0 <= seqs.min() <= seqs.max() < 1 << SHARD_SHIFT:
+            raise ProtocolError(
+                f"shard {shard} ({self._client.addresses[shard]}) answered with {what} from "
+                f"{int(seqs.min())} to {int(seqs.max())}, not seqs in [0, 2**{SHARD_SHIFT})")
+        return encode_indices(shard, seqs)
 
     def _pop(self, k: int, timeout: float | None,
              infos: dict[int, BufferInfo]) -> dict[str, np.ndarray]:
@@ -415,7 +456,8 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
         got, errors = self._client.fan_out(
             shards, lambda s: self.remotes[s].episode_catalog(filter_meta))
         raise_answered(errors)
-        parts = [{**got[s], "seqs": encode_indices(s, got[s]["seqs"])} for s in sorted(got)]
+        parts = [{**got[s], "seqs": self._encoded(s, got[s]["seqs"], "catalog seqs")}
+                 for s in sorted(got)]
         return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
     def read(self, seqs: Any, fields: Any = None, *, positions: bool = False,
@@ -464,7 +506,7 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
         """Every shard's info; raise if one does not answer (reads by position and
         reset need them all)."""
         shards = list(range(self._client.shards))
-        infos, errors = self._client.fan_out(shards, lambda s: self.remotes[s].info())
+        infos, errors = self._client.fan_out(shards, self._shard_info)
         for shard in sorted(errors):
             raise errors[shard]
         return infos

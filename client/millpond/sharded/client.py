@@ -219,8 +219,12 @@ class ShardedClient(BufferClient):
 
         Where it exists its shard's own capacities are kept (an order of
         shards that changed since, e.g. pods with new addresses, still
-        attaches), as long as the capacities add up to ``config``'s and every
-        other setting is equal (else ConfigMismatchError). Every shard must
+        attaches), as long as the capacities add up to ``config``'s (where it
+        exists on some shards only: none more than ``config``'s) and every
+        other setting is equal (else ConfigMismatchError). Where it is made,
+        the shard's Create must answer with the config asked (else
+        ProtocolError: see :meth:`GrpcTransport.create
+        <millpond.remote.grpc_transport.GrpcTransport.create>`). Every shard must
         answer.
         """
         wanted = shard_configs(config, self.shards)
@@ -229,6 +233,9 @@ class ShardedClient(BufferClient):
         if existing:
             for shard, have in existing.items():
                 differs = same_but_capacities(have, config)
+                if have.total_capacity > config.total_capacity:  # more than the whole
+                    differs.append(("total_capacity", str(have.total_capacity),
+                                    f"{config.total_capacity} over all shards"))
                 if differs:
                     raise ConfigMismatchError(f"buffer {name!r} exists on shard {shard} "
                                               f"({self.addresses[shard]}) with a different config: "
@@ -256,7 +263,15 @@ class ShardedClient(BufferClient):
     def buffer(self, name: str) -> Buffer:
         """Attach to ``name`` on every shard (BufferNotFoundError if a shard lacks it)."""
         found = self._infos(name, missing_ok=False)
-        return handle_for(ShardedBuffer(self, name, [found[s].config for s in range(self.shards)]))
+        configs = [found[s].config for s in range(self.shards)]
+        for shard, config in enumerate(configs[1:], 1):  # one schema: their parts merge
+            differs = same_but_capacities(config, configs[0])
+            if differs:
+                raise ConfigMismatchError(
+                    f"buffer {name!r} has another config on shard {shard} "
+                    f"({self.addresses[shard]}) than on shard 0 ({self.addresses[0]}): "
+                    + "; ".join(f"{k}: {a}, not {b}" for k, a, b in differs))
+        return handle_for(ShardedBuffer(self, name, configs))
 
     def _infos(self, name: str, missing_ok: bool) -> dict[int, Any]:
         """Every shard's info of ``name`` (None where missing, if ``missing_ok``)."""

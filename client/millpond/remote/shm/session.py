@@ -16,6 +16,20 @@ returns to the pool only when every array viewing it has been garbage
 collected (a weak reference to the arrays' common base). Results are writable;
 writes stay private to this process, and a reused segment first drops any
 privately written pages (``MADV_DONTNEED``), so it shows the server's new data.
+
+No reply is trusted, yet a fast-path reply has little to lie with: the client
+lays out every result itself, from its own request (rows, dtypes, shapes,
+offsets; :mod:`millpond.remote.shm.protocol`), so no reply names an offset,
+a size within a segment or a row count. What replies do carry is checked
+before use, in :meth:`ShmSession._reply` (the one place), and one that
+cannot be the answer raises :class:`~millpond.errors.ProtocolError`: a new
+segment's id (an integer none of this session's segments has: a repeated id
+would let the server write into a result the caller still holds) and its fd
+(one sealed memfd of at least the size asked: the views over it never reach
+past its end); which extras a sample wrote (exactly ``weights`` and
+``indices`` for a prioritized buffer, none otherwise: more would lay views
+past the space the client asked for); the counts a push or
+``update_priorities`` answers (:mod:`millpond.remote.replies`).
 """
 
 from __future__ import annotations
@@ -34,11 +48,19 @@ from typing import Any
 import numpy as np
 
 from millpond.core.schema import Schema
-from millpond.errors import DeadlineExceededError, ServerUnavailableError, SharedMemoryError
+from millpond.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    ProtocolError,
+    ServerUnavailableError,
+    SharedMemoryError,
+)
+from millpond.remote import replies
 from millpond.remote.shm import memfd, protocol
 
 MIN_SEGMENT = 1 << 20
 MAX_RESULT_SEGMENTS = 16
+_ALL_EXTRAS = list(protocol.SAMPLE_EXTRAS)  # what a prioritized buffer's sample writes
 
 
 def _round_segment(size: int) -> int:
@@ -79,7 +101,9 @@ class ShmSession:
     """
 
     def __init__(self, socket_name: str, server_uid: int, deadline: float,
-                 served: Counter[str] | None = None, hello: dict[str, str] | None = None):
+                 served: Counter[str] | None = None, hello: dict[str, str] | None = None,
+                 address: str = ""):
+        self.address = address  # the server's, named in the errors of replies refused
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.settimeout(deadline)
         self.deadline = deadline
@@ -155,11 +179,12 @@ class ShmSession:
 
     def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
                    priorities: np.ndarray | None, timeout: float, deadline: float,
-                   updates: list | None = None) -> None:
+                   updates: list | None = None, capacity: int | None = None) -> None:
         """Copy validated columns ``[n, *shape]`` (and priorities) into the push segment; store them.
 
         ``priorities``: float64[n], after the columns in the segment.
         ``updates``: checked episode updates, applied with the records.
+        ``capacity``: the buffer's, to check the reply against.
         """
         spans, total = protocol.layout(schema, n)
         size = total + (0 if priorities is None else n * protocol.PRIORITY_DTYPE.itemsize)
@@ -180,7 +205,8 @@ class ShmSession:
             if priorities is not None:
                 message["priorities"] = _write_vector(mm, total, priorities,
                                                       protocol.PRIORITY_DTYPE)
-            self._request(message)
+            reply, _ = self._request(message)
+            self._reply(reply, "push", n=n, capacity=capacity)
 
     # ---- priorities -----------------------------------------------------------------
 
@@ -197,7 +223,7 @@ class ShmSession:
                 "indices": _write_vector(mm, 0, indices, protocol.INDEX_DTYPE),
                 "priorities": _write_vector(mm, start, priorities, protocol.PRIORITY_DTYPE),
             })
-        return reply["updated"]
+        return self._reply(reply, "update_priorities", n=n)
 
     def set_beta(self, buffer: str, beta: float, deadline: float) -> None:
         with self._lock:
@@ -219,7 +245,7 @@ class ShmSession:
             reply, _ = self._request({"op": "push_segment", "size": size}, (fd,))
         finally:
             os.close(fd)
-        self._push_segment = (reply["segment"], mm)
+        self._push_segment = (self._reply(reply, "push_segment"), mm)
         return self._push_segment
 
     # ---- sample ---------------------------------------------------------------------
@@ -248,7 +274,7 @@ class ShmSession:
                 segment.free = True
                 raise
         # Laid out as the server did it (it checked that this fits the segment).
-        written = reply.get("extras") or []
+        written = self._reply(reply, "sample", extras=extras)
         spans, extra_spans, total = protocol.sample_layout(schema, batch_size, bool(written))
         base = segment.hand_out(total)
         result = {f.name: np.ndarray((batch_size, *f.shape), f.dtype, base, spans[f.name][0])
@@ -318,14 +344,63 @@ class ShmSession:
             self._request({"op": "release", "segment": victim.id})
         reply, fds = self._request({"op": "result_segment", "size": size})
         try:
-            if len(fds) != 1:
-                raise ServerUnavailableError("fast-path result segment arrived without its fd")
-            memfd.check_segment(fds[0], size)
+            segment_id = self._reply(reply, "result_segment", fds=fds, size=size)
             mm = mmap.mmap(fds[0], size, access=mmap.ACCESS_COPY)
         finally:
             protocol.close_fds(fds)
-        segment = _ResultSegment(reply["segment"], mm)
+        segment = _ResultSegment(segment_id, mm)
         self._results.append(segment)
+        return segment
+
+    # ---- replies: what each may be (see the module docstring) -------------------------
+
+    def _reply(self, reply: dict[str, Any], op: str, n: int = 0, capacity: int | None = None,
+               extras: bool = False, fds: list[int] | None = None, size: int = 0) -> Any:
+        """What the successful ``reply`` to ``op`` says, if it is possible; else
+        ProtocolError. ``push``: its ``pushed`` (``n`` records into a buffer of
+        ``capacity``); ``update_priorities``: how many of ``n`` were live; ``sample``:
+        the extras written (``extras``: a prioritized buffer's, all of them; else
+        none); ``push_segment`` and ``result_segment``: the new segment's id (one
+        this session's segments do not have), the latter's ``fds`` one sealed memfd
+        of at least ``size`` bytes. A session that got a reply refused is
+        :attr:`broken` (closed after the call, the server's state with it)."""
+        try:
+            return self._possible(reply, op, n, capacity, extras, fds, size)
+        except ProtocolError:
+            self.broken = True
+            raise
+
+    def _possible(self, reply: dict[str, Any], op: str, n: int, capacity: int | None,
+                  extras: bool, fds: list[int] | None, size: int) -> Any:
+        what = f"fast-path {op}"
+        if op == "push":
+            return replies.pushed(reply.get("size"), reply.get("pushed"), n, capacity, None,
+                                  self.address)
+        if op == "update_priorities":
+            return replies.count(reply.get("updated"), n, self.address,
+                                 f"{what} of {n:,} records")
+        if op == "sample":
+            written = reply.get("extras") or []
+            if written != (_ALL_EXTRAS if extras else []):
+                raise replies.refused(self.address, what, f"extras {written!r} written, for a "
+                                      f"{'' if extras else 'non-'}prioritized buffer")
+            return written
+        segment = reply.get("segment")
+        taken = {s.id for s in self._results}
+        if self._push_segment is not None:
+            taken.add(self._push_segment[0])
+        if not isinstance(segment, int) or isinstance(segment, bool) or segment in taken:
+            raise replies.refused(self.address, what, f"segment id {segment!r} (this "
+                                  f"session's segments are {sorted(taken)})")
+        if op == "result_segment":
+            assert fds is not None
+            if len(fds) != 1:
+                raise replies.refused(self.address, what, f"{len(fds)} fds, not 1")
+            try:
+                memfd.check_segment(fds[0], size)
+            except InvalidArgumentError as exc:
+                raise replies.refused(self.address, what, f"an fd that is not the segment "
+                                      f"asked for: {exc}") from None
         return segment
 
     def close(self) -> None:

@@ -45,7 +45,8 @@ class ShmTransport:
     name = "shm"
 
     def __init__(self, socket_name: str, uid: int, deadline: float,
-                 hello: dict[str, str] | None = None):
+                 hello: dict[str, str] | None = None, address: str = ""):
+        self.address = address  # the server's gRPC address, named in ProtocolErrors
         self._socket_name = socket_name
         self._uid = uid
         self._hello = hello or {}
@@ -55,7 +56,8 @@ class ShmTransport:
         self.stale = False
 
     def _open(self, deadline: float) -> ShmSession:
-        return ShmSession(self._socket_name, self._uid, deadline, self.served, self._hello)
+        return ShmSession(self._socket_name, self._uid, deadline, self.served, self._hello,
+                          self.address)
 
     def _on_session(self, deadline: float, call: Callable[[ShmSession], T]) -> T:
         """``call(session)`` on an idle session (or a new one), which is then put back
@@ -88,9 +90,9 @@ class ShmTransport:
 
     def push_batch(self, buffer: str, schema: Schema, n: int, columns: dict[str, np.ndarray],
                    priorities: np.ndarray | None, timeout: float, deadline: float,
-                   updates: list | None = None) -> None:
+                   updates: list | None = None, capacity: int | None = None) -> None:
         self._on_session(deadline, lambda session: session.push_batch(
-            buffer, schema, n, columns, priorities, timeout, deadline, updates))
+            buffer, schema, n, columns, priorities, timeout, deadline, updates, capacity))
 
     def sample(self, buffer: str, schema: Schema, batch_size: int, seed: int | None,
                extras: bool, timeout: float, deadline: float,
