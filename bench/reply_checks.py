@@ -32,8 +32,9 @@ FIELDS = {"obs": ("float32", (8,)), "actions": ("float32", (2,)), "rewards": ("f
 BATCH = 256
 
 
-def in_process_daemon(data_dir: Path) -> str:
-    """A daemon's gRPC service on a thread of this process (its own event loop); its address."""
+def in_process_daemon(data_dir: Path, interceptors: list | None = None) -> str:
+    """A daemon's gRPC service on a thread of this process (its own event loop), behind
+    ``interceptors`` if given; its address."""
     started: dict[str, str] = {}
     ready = threading.Event()
 
@@ -41,7 +42,7 @@ def in_process_daemon(data_dir: Path) -> str:
         ops = Operations(Registry(data_dir), ThreadPoolExecutor(4))
         ops.start(asyncio.get_running_loop())
         ops.ready = True
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=interceptors)
         add_to_server(ReplayService(ops, 64), server)
         started["address"] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         await server.start()
