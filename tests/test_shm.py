@@ -382,7 +382,7 @@ def test_hostile_priority_requests_get_typed_errors_and_change_nothing(shared_se
     batch = max(n for n in range(1, 200) if protocol.sample_layout(schema, n, False)[2] <= 4096)
     assert protocol.sample_layout(schema, batch, True)[2] > 4096
     sample = {"op": "sample", "segment": result, "offset": 0, "batch_size": batch, "seed": 0}
-    refused(raw({**sample, "buffer": "prio-victim"}), match="do not fit")
+    refused(raw({**sample, "buffer": "prio-victim"}), "MESSAGE_TOO_LARGE", match="does not fit")
     assert raw({**sample, "buffer": "prio-victim-uniform"}) == {"ok": True, "extras": []}
 
     # Nothing changed, stale or foreign indices are ignored, and the session still serves.

@@ -39,6 +39,8 @@ from millpond.core.sequences import n_step_specs, read_specs, sequence_specs
 from millpond.errors import (
     InvalidArgumentError,
     InvalidConfigError,
+    MessageTooLargeError,
+    ServerUnavailableError,
     SharedMemoryError,
 )
 from millpond.remote.shm import memfd, protocol
@@ -280,6 +282,16 @@ class FastPathSession(threading.Thread):
         return {"ok": True}, []
 
     def sample(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
+        """A sample gathered into the client's result segment.
+
+        Delivery, as over gRPC (see ``service.ReplayService.Sample``): the segment must
+        hold the whole reply (columns, and a prioritized buffer's weights and indices)
+        before anything is drawn, else MessageTooLargeError; a sample that consumes
+        records (queue, stack, ``max_times_sampled``) also checks, under the buffer's
+        lane just before the draw, that its client is still connected. Once drawn, the
+        records are in the segment and the reply goes out on the socket: a client that
+        hangs up (or stops waiting) after the draw has consumed them, delivered to no one.
+        """
         req.no_fds(fds)
         name = req.buffer_name(message)
         buffer = self.ops.registry.get(name)
@@ -289,7 +301,7 @@ class FastPathSession(threading.Thread):
         offset = message.get("offset")
         extras = buffer.config.prioritized is not None
         spans, extra_spans, total = protocol.sample_layout(buffer.schema, batch_size, extras)
-        req.check_span(mm, offset, total, protocol.ALIGN, "sample")
+        _fits(mm, offset, total, "sample")
         key = (message["segment"], offset, batch_size, name, buffer.schema, extras)
         views = self._sample_views.get(key)
         if views is None:  # learners repeat the same request shape: build views once
@@ -303,8 +315,8 @@ class FastPathSession(threading.Thread):
             )
         out, extra_views = views
         filter_meta = message.get("filter_meta")
-        result = self._admit(message, buffer, self.ops.sample, buffer, batch_size, seed, out,
-                             filter_meta)
+        result = self._admit(message, buffer, self._delivering(buffer, self.ops.sample), buffer,
+                             batch_size, seed, out, filter_meta)
         # Weights and indices are small new arrays: one copy each into the segment.
         written = [key for key in extra_views if key in result]
         for key in written:
@@ -313,7 +325,8 @@ class FastPathSession(threading.Thread):
 
     def sample_episodic(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         """sample_sequences, sample_n_step: gathered into the client's result segment,
-        laid out as the client expects (:mod:`millpond.core.sequences`'s specs)."""
+        laid out as the client expects (:mod:`millpond.core.sequences`'s specs), which
+        must hold all of it before the draw; delivery as :meth:`sample`'s."""
         req.no_fds(fds)
         op = message["op"]
         buffer = self.ops.registry.get(req.buffer_name(message))
@@ -329,9 +342,26 @@ class FastPathSession(threading.Thread):
             params = {"n_step": n_step, "gamma": gamma}
             specs = n_step_specs(config, batch_size)
         out = self._result_views(message, specs)
-        self._admit(message, buffer, self.ops.sample_episodic, buffer, op, batch_size, seed,
-                    message.get("filter_meta"), params, out)
+        self._admit(message, buffer, self._delivering(buffer, self.ops.sample_episodic), buffer,
+                    op, batch_size, seed, message.get("filter_meta"), params, out)
         return {"ok": True}, []
+
+    def _delivering(self, buffer: TieredBuffer, fn: Callable[..., T]) -> Callable[..., T]:
+        """``fn``, or for a buffer whose samples consume records, ``fn`` run only while
+        this session's client is still connected (checked under the buffer's lane, just
+        before the draw: a sample parked for the rate limiter may run long after it was
+        asked for); else ServerUnavailableError, nothing drawn."""
+        config = buffer.config
+        if not (config.removes or config.max_times_sampled):
+            return fn
+
+        def delivering(*args: Any) -> T:
+            if self.peer_gone():
+                raise ServerUnavailableError("the fast-path client hung up before its "
+                                             "sample ran; nothing was drawn")
+            return fn(*args)
+
+        return delivering
 
     def read(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         """Records by index: the seqs in the push segment, the records into a result one."""
@@ -358,7 +388,7 @@ class FastPathSession(threading.Thread):
         if views is None:
             mm = req.mapped(self.result_segments, key[0])
             _, total = protocol.spec_layout(specs)
-            offset = req.check_span(mm, key[1], total, protocol.ALIGN, message["op"])
+            offset = _fits(mm, key[1], total, message["op"])
             if len(self._sample_views) >= 64:
                 self._sample_views.clear()
             views = self._sample_views[key] = (protocol.spec_views(mm, offset, specs), {})
@@ -381,3 +411,15 @@ class FastPathSession(threading.Thread):
             table.clear()
         self.conn.close()
         self.server._ended(self)
+
+
+def _fits(mm: mmap.mmap, offset: Any, nbytes: int, op: str) -> int:
+    """``offset`` (a well-formed one: :func:`.shm_requests.check_span`) at which a reply of
+    ``nbytes`` fits the result segment ``mm``; else MessageTooLargeError: the segment
+    is the fast path's limit on a reply, checked before anything is drawn."""
+    if isinstance(offset, int) and not isinstance(offset, bool) and 0 <= offset <= len(mm) \
+            and offset % protocol.ALIGN == 0 and offset + nbytes > len(mm):
+        raise MessageTooLargeError(
+            f"{op}: its reply of {nbytes:,} bytes at offset {offset:,} does not fit the "
+            f"{len(mm):,}-byte result segment; nothing was drawn")
+    return req.check_span(mm, offset, nbytes, protocol.ALIGN, op)

@@ -14,6 +14,10 @@ Bulk paths avoid needless copies of multi-megabyte payloads:
 * ``Sample`` replies are gathered by the engine straight into the reply's
   wire bytes (:mod:`millpond.wire.inplace`), sent as they are.
 
+A sample is sized before it draws (see :meth:`ReplayService.Sample`): one that
+would consume records (queue, stack, ``max_times_sampled``) consumes them only
+when its reply fits every limit on its way to the client.
+
 Pushes, samples and reads of at most ``INLINE_BYTES`` are *small*: the owner
 may run them on the event loop; larger ones, and all parsing and gathering of
 megabytes, run on the engine pool.
@@ -26,24 +30,27 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any, Callable, TypeAlias
+from typing import Any, Callable, TypeAlias, TypeVar
 
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
 from millpond.core import Schema, TieredBuffer
+from millpond.core.config import BufferConfig
 from millpond.core.episode_checks import check_fields
-from millpond.core.sequences import episodic_reply_nbytes
-from millpond.errors import InvalidArgumentError, MessageTooLargeError
-from millpond.remote.shm.protocol import read_boot_id
+from millpond.core.sequences import episodic_reply_nbytes, reply_specs
+from millpond.errors import DeadlineExceededError, InvalidArgumentError, MessageTooLargeError
+from millpond.remote.shm.protocol import SAMPLE_EXTRAS, read_boot_id
 from millpond.v1 import replay_pb2 as pb
 from millpond.wire.codec import config_from_proto, decode_batch, info_to_proto
 from millpond.wire.episodic import decode_meta, decode_update, decode_updates, optional
 from millpond.wire.frames import (
+    MAX_RECEIVE_KEY,
     SAMPLE_BATCH_FIELD,
     decode_batches,
     encode_with_batch,
+    reply_nbytes,
     split_push_batch,
 )
 from millpond.wire.inplace import BatchFrame
@@ -58,6 +65,7 @@ from .shm_listener import FastPathServer
 from .streams import CallStreams
 from .waits import wait_budget
 
+T = TypeVar("T")
 SERVICE_NAME = "millpond.v1.Replay"
 REUSED_REPLY_BYTES = 64 << 10  # sample replies up to this size are built in a reused buffer
 # A request larger than this is decoded on the engine pool, never on the event loop.
@@ -133,9 +141,25 @@ def sample_reply_frame(schema: Schema, batch_size: int) -> BatchFrame:
                       [(f.name, f.dtype, (max(0, batch_size), *f.shape)) for f in schema])
 
 
-def sample_reply_nbytes(schema: Schema, batch_size: int) -> int:
-    """Exact wire size of the SampleReply for ``batch_size`` records (without extras)."""
-    return sample_reply_frame(schema, batch_size).nbytes if batch_size > 0 else 0
+@functools.lru_cache(maxsize=256)
+def _sample_reply_nbytes(schema: Schema, batch_size: int, prioritized: bool) -> int:
+    if batch_size <= 0:
+        return 0
+    extras = tuple((name, dtype, (batch_size,))
+                   for name, dtype in SAMPLE_EXTRAS.items()) if prioritized else ()
+    return reply_nbytes((*((f.name, f.dtype, (batch_size, *f.shape)) for f in schema), *extras))
+
+
+def sample_reply_nbytes(config: BufferConfig, batch_size: int) -> int:
+    """Exact wire size of the SampleReply of ``batch_size`` records drawn from a buffer of
+    ``config``: its columns and, prioritized, the ``weights`` and ``indices`` it carries."""
+    return _sample_reply_nbytes(config.schema, batch_size, config.prioritized is not None)
+
+
+def consumes(config: BufferConfig) -> bool:
+    """Whether a sample of a buffer of ``config`` consumes what it returns: a queue's or a
+    stack's records are removed, a use-limited buffer's draws are counted."""
+    return config.removes or bool(config.max_times_sampled)
 
 
 def _budget(request_timeout: float | None, context: grpc.aio.ServicerContext) -> float | None:
@@ -199,6 +223,23 @@ class ReplayService:
 
     @_rpc
     async def Sample(self, request: pb.SampleRequest, context: Context) -> bytes:
+        """A sample: gathered into its reply's bytes, once sized.
+
+        Delivery: a sample that consumes records (queue and stack modes remove them,
+        ``max_times_sampled`` counts each draw) consumes them only when its reply is sent.
+        Before anything is drawn, its reply's exact size (every column, a prioritized
+        buffer's ``weights`` and ``indices``, the framing) is held to the smaller of
+        --max-message-mb and the client's own receive limit (the ``MAX_RECEIVE_KEY``
+        metadata of the call, or of its stream): a reply over it is MessageTooLargeError,
+        nothing drawn. Then, under the buffer's lane just before the draw, the call must
+        still be live: not cancelled, within its deadline (else DeadlineExceededError,
+        nothing drawn; see :meth:`_consuming`). After the draw the reply is bytes in
+        memory, handed to gRPC. Consumption and delivery cannot be one atomic step over a
+        network: a call cancelled, or whose deadline passes, or whose connection breaks
+        while the draw runs or the reply travels, has consumed its records, and they are
+        delivered to no one (at most once; its client sees DeadlineExceededError or
+        ServerUnavailableError and must count those records as gone).
+        """
         seed = request.seed if request.HasField("seed") else None
         timeout = request.timeout if request.HasField("timeout") else None
         if request.HasField("n_step") or request.filter_meta.columns:  # episodic buffers
@@ -208,16 +249,23 @@ class ReplayService:
                 "sample_n_step" if params else "sample", request.name, request.batch_size, seed,
                 request.filter_meta, params, timeout, context)
         buffer = self.ops.registry.get(request.name)
-        nbytes = sample_reply_nbytes(buffer.schema, request.batch_size)
-        if nbytes > self.max_message_bytes:
+        config = buffer.config
+        nbytes = sample_reply_nbytes(config, request.batch_size)
+        limit = self._reply_limit(context)
+        if nbytes > limit:
             raise MessageTooLargeError(
                 f"sample reply of {nbytes:,} bytes ({request.batch_size:,} records of "
-                f"{buffer.schema.record_nbytes:,} bytes) exceeds --max-message-mb "
-                f"{self.max_message_mb} ({self.max_message_bytes:,} bytes); "
-                "sample fewer records per call")
-        return await self.ops.owner(buffer).run(
-            self._sample_frames, buffer, request.batch_size, seed, small=nbytes <= INLINE_BYTES,
-            budget=_budget(timeout, context))
+                f"{buffer.schema.record_nbytes:,} bytes"
+                f"{', weights and indices' if config.prioritized is not None else ''}) "
+                f"exceeds {self._limit_name(limit)}; sample fewer records per call"
+                f"{' (nothing was drawn)' if consumes(config) else ''}")
+        owner, budget = self.ops.owner(buffer), _budget(timeout, context)
+        if not consumes(config):
+            return await owner.run(self._sample_frames, buffer, request.batch_size, seed,
+                                   small=nbytes <= INLINE_BYTES, budget=budget)
+        return await self._consuming(context, owner.run, self._sample_frames, buffer,
+                                     request.batch_size, seed, small=nbytes <= INLINE_BYTES,
+                                     budget=budget)
 
     def _sample_frames(self, buffer: TieredBuffer, batch_size: int, seed: int | None) -> bytes:
         if buffer.config.prioritized is not None or batch_size <= 0:  # weights, indices too
@@ -232,6 +280,27 @@ class ReplayService:
         if result.keys() != columns.keys() or any(result[k] is not v for k, v in columns.items()):
             return encode_with_batch(SAMPLE_BATCH_FIELD, result)
         return bytes(reply)  # the same object if it is bytes already
+
+    async def _consuming(self, context: Context, run: Callable[..., Any], fn: Callable[..., T],
+                         *args: Any, **kwargs: Any) -> T:
+        """``run(fn, *args, **kwargs)`` for a sample that consumes records: ``fn`` runs
+        (under the buffer's lane, just before the draw) only if the call can still be
+        answered: not ended (cancelled: this coroutine was; stopped waiting) and within
+        its deadline. Else DeadlineExceededError, nothing drawn."""
+        ended = False
+
+        def draw(*fn_args: Any) -> T:
+            remaining = context.time_remaining()
+            if ended or (remaining is not None and remaining <= 0):
+                raise DeadlineExceededError("the call ended (cancelled, or its deadline "
+                                            "passed) before its sample ran; nothing was drawn")
+            return fn(*fn_args)
+
+        try:
+            return await run(draw, *args, **kwargs)
+        except asyncio.CancelledError:
+            ended = True  # a draw queued for the lane will not start
+            raise
 
     @_rpc
     async def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest,
@@ -280,19 +349,28 @@ class ReplayService:
     async def _episodic(self, op: str, name: str, batch_size: int, seed: int | None,
                         filter_meta: pb.Batch, params: dict[str, Any], timeout: float | None,
                         context: grpc.aio.ServicerContext) -> bytes:
-        """An episodic sample (or a filtered one), its reply encoded on the pool."""
+        """An episodic sample (or a filtered one), its reply encoded on the pool. Sized
+        before it draws, as :meth:`Sample`: exactly, framing, weights and indices
+        included (``sample_episodes`` without ``max_len``, whose size the draw decides,
+        consumes no record: it is sized once encoded)."""
         wanted = decode_meta(filter_meta) or None
         buffer = self.ops.registry.get(name)
-        self._check_reply(episodic_reply_nbytes(buffer.config, op, batch_size, params), op)
+        limit = self._reply_limit(context)
+        specs = reply_specs(buffer.config, op, batch_size, params)
+        if specs is not None:
+            self._check_reply(reply_nbytes(specs), op, limit)
 
         def frames() -> bytes:
             if op == "sample":
                 result = self.ops.sample(buffer, batch_size, seed, filter_meta=wanted)
             else:
                 result = self.ops.sample_episodic(buffer, op, batch_size, seed, wanted, params)
-            return self._check_reply(encode_with_batch(SAMPLE_BATCH_FIELD, result), op)
+            return self._check_reply(encode_with_batch(SAMPLE_BATCH_FIELD, result), op, limit)
 
-        return await self.ops.owner(buffer).run(frames, budget=_budget(timeout, context))
+        owner, budget = self.ops.owner(buffer), _budget(timeout, context)
+        if op == "sample_episodes" or not consumes(buffer.config):
+            return await owner.run(frames, budget=budget)
+        return await self._consuming(context, owner.run, frames, budget=budget)
 
     @_rpc
     async def EpisodeCatalog(self, request: pb.EpisodeCatalogRequest, context: Context) -> bytes:
@@ -326,14 +404,38 @@ class ReplayService:
         await self.ops.owner(buffer).run(buffer.reset)
         return pb.ResetReply()
 
-    def _check_reply(self, reply: Any, op: str) -> Any:
-        """``reply`` (bytes, or a size) if within --max-message-mb, else MessageTooLargeError."""
+    def _check_reply(self, reply: Any, op: str, limit: int | None = None) -> Any:
+        """``reply`` (bytes, or a size) if within ``limit`` (default: --max-message-mb;
+        see :meth:`_reply_limit`), else MessageTooLargeError."""
+        limit = self.max_message_bytes if limit is None else limit
         nbytes = reply if isinstance(reply, int) else len(reply)
-        if nbytes > self.max_message_bytes:
+        if nbytes > limit:
             raise MessageTooLargeError(
-                f"{op} reply of {nbytes:,} bytes exceeds --max-message-mb {self.max_message_mb} "
-                f"({self.max_message_bytes:,} bytes); ask for fewer records per call")
+                f"{op} reply of {nbytes:,} bytes exceeds {self._limit_name(limit)}; "
+                "ask for fewer records per call")
         return reply
+
+    def _reply_limit(self, context: Context) -> int:
+        """The largest reply this call may carry: --max-message-mb, or the client's own
+        receive limit if lower (the ``MAX_RECEIVE_KEY`` metadata every client call sends;
+        absent, as from an older client: ours)."""
+        for key, value in context.invocation_metadata() or ():
+            if key == MAX_RECEIVE_KEY:
+                try:
+                    limit = int(value)
+                except ValueError:
+                    limit = 0
+                if limit <= 0:
+                    raise InvalidArgumentError(
+                        f"metadata {MAX_RECEIVE_KEY}: {value[:40]!r} is not a positive "
+                        "number of bytes")
+                return min(limit, self.max_message_bytes)
+        return self.max_message_bytes
+
+    def _limit_name(self, limit: int) -> str:
+        if limit < self.max_message_bytes:
+            return f"the client's limit of {limit:,} bytes (its max_message_mb)"
+        return f"--max-message-mb {self.max_message_mb} ({self.max_message_bytes:,} bytes)"
 
     @_rpc
     async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteReply:

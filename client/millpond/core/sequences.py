@@ -197,6 +197,12 @@ def read_specs(config: BufferConfig, n: int, names: Sequence[str] | None,
              *((("episode_ids", _I8, (n,)),) if episode_ids else ())))
 
 
+def sample_specs(config: BufferConfig, batch_size: int) -> Spec:
+    """Every array a buffer's ``sample`` returns (without ``n_step``)."""
+    return ((*((f.name, f.dtype, (batch_size, *f.shape)) for f in config.schema),
+             *_extra_specs(config, batch_size)))
+
+
 def _meta_specs(config: BufferConfig, b: int) -> Spec:
     return tuple((f.name, f.dtype, (b, *f.shape)) for f in config.meta_fields or ())
 
@@ -207,20 +213,26 @@ def _extra_specs(config: BufferConfig, b: int) -> Spec:
     return (("weights", np.dtype("<f4"), (b,)), ("indices", _I8, (b,)))
 
 
-def episodic_reply_nbytes(config: BufferConfig, op: str, n: int, params: Mapping[str, Any]) -> int:
-    """Bytes of the arrays call ``op`` returns for ``n`` (batch size, or records read),
-    when known before it runs (sample_episodes: only with ``max_len``; else 0)."""
+def reply_specs(config: BufferConfig, op: str, n: int, params: Mapping[str, Any]) -> Spec | None:
+    """Every array call ``op`` returns for ``n`` (batch size, or records read), when known
+    before it runs; None when not (``sample_episodes`` without ``max_len``: the longest
+    episode drawn decides)."""
     if op == "sample_sequences":
-        specs = sequence_specs(config, n, params["seq_len"])
-    elif op == "sample_episodes" and params.get("max_len"):
-        specs = sequence_specs(config, n, params["max_len"])
-    elif op == "sample_n_step":
-        specs = n_step_specs(config, n)
-    elif op == "read":
-        specs = read_specs(config, n, params.get("fields"), params.get("episode_ids", False))
-    elif op == "sample":
-        specs = (*((f.name, f.dtype, (n, *f.shape)) for f in config.schema),
-                 *_extra_specs(config, n))
-    else:
-        return 0
-    return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in specs)
+        return sequence_specs(config, n, params["seq_len"])
+    if op == "sample_episodes":
+        return episode_specs(config, n, params["max_len"]) if params.get("max_len") else None
+    if op == "sample_n_step":
+        return n_step_specs(config, n)
+    if op == "read":
+        return read_specs(config, n, params.get("fields"), params.get("episode_ids", False))
+    if op == "sample":
+        return sample_specs(config, n)
+    return None
+
+
+def episodic_reply_nbytes(config: BufferConfig, op: str, n: int, params: Mapping[str, Any]) -> int:
+    """Bytes of the arrays call ``op`` returns for ``n`` (see :func:`reply_specs`; 0 when
+    not known before it runs)."""
+    specs = reply_specs(config, op, n, params)
+    return 0 if specs is None else sum(math.prod(shape) * dtype.itemsize
+                                       for _, dtype, shape in specs)

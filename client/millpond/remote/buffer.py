@@ -148,6 +148,14 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
         """Sample on the server; returns writable arrays like the in-process buffer.
 
         ``timeout``: as for :meth:`push_batch`. ``filter_meta``: episodic buffers.
+
+        A sample that consumes records (queue, stack, ``max_times_sampled``) consumes
+        them only when the server sends the reply. A reply larger than the server's
+        --max-message-mb or this client's ``max_message_mb`` (or, over shared memory,
+        than its result segment) is MessageTooLargeError, and nothing is drawn. Sent is
+        not received: if the call fails after the draw (the deadline passes, the
+        connection breaks), the records are consumed and delivered to no one (see
+        docs/concepts.md, "Samples that consume records, remotely").
         """
         self._check_open()
         wait, deadline = self._client.budget(timeout, self._may_wait)

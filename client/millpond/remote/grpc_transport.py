@@ -16,8 +16,12 @@ backoff. A message whose stream had ended before the daemon read it is sent
 again on a new stream. Nothing else is retried: a push whose connection broke
 may or may not have been stored, and the caller must know.
 
-Every call carries the client's metadata (``authorization: Bearer TOKEN``
-when it has a token, see :mod:`millpond.remote.security`).
+Every call (and every stream, at its start) carries the client's metadata:
+``authorization: Bearer TOKEN`` when it has a token (see
+:mod:`millpond.remote.security`), and the largest reply this client can receive
+(``max_message_mb``, as ``millpond-max-receive-bytes``): the daemon refuses a sample
+whose reply would be larger with MessageTooLargeError before it draws, so a queue's
+or a use-limited buffer's records are not consumed by a reply that could not arrive.
 
 No reply is trusted: every reply decoded here is checked against the buffer's
 config and the request before it is returned, and one that cannot be the
@@ -64,6 +68,7 @@ from millpond.v1 import replay_pb2_grpc as pb_grpc
 from millpond.wire.codec import config_to_proto, info_from_proto
 from millpond.wire.episodic import encode_meta, encode_updates
 from millpond.wire.frames import (
+    MAX_RECEIVE_KEY,
     PUSH_BATCH_FIELD,
     PUSH_UPDATES_FIELD,
     SAMPLE_BATCH_FIELD,
@@ -94,7 +99,7 @@ class GrpcTransport:
     def __init__(self, channel: grpc.Channel, max_message_bytes: int,
                  metadata: tuple[tuple[str, str], ...] | None = None, address: str = ""):
         self.max_message_bytes = max_message_bytes
-        self.metadata = metadata
+        self.metadata = (*(metadata or ()), (MAX_RECEIVE_KEY, str(max_message_bytes)))
         self.address = address  # named in the errors of replies that do not check
         self.channel = channel
         self.stub = pb_grpc.ReplayStub(channel)
@@ -109,7 +114,7 @@ class GrpcTransport:
             response_deserializer=None,  # parsed by frames.decode_batch_field
         )
         # The same two calls as messages on open streams (see grpc_streams).
-        self._streams = ThreadStreams(metadata, address)
+        self._streams = ThreadStreams(self.metadata, address)
         self._push_stream = channel.stream_stream(
             "/millpond.v1.Replay/PushBatchStream", request_serializer=None,
             response_deserializer=pb.PushReply.FromString)

@@ -22,6 +22,7 @@ for byte that of the last one parsed at its length is not parsed again
 from __future__ import annotations
 
 import functools
+import math
 import struct
 import threading
 from typing import Any, Iterator, Mapping
@@ -44,6 +45,10 @@ PUSH_PRIORITIES_FIELD = 3  # PushBatchRequest.priorities (packed doubles)
 PUSH_TIMEOUT_FIELD = 4  # PushBatchRequest.timeout (optional double)
 PUSH_UPDATES_FIELD = 5  # PushBatchRequest.updates (EpisodeUpdate messages)
 SAMPLE_BATCH_FIELD = 1  # SampleReply.batch
+# Call metadata: the largest message the caller can receive, in bytes (a client's
+# max_message_mb). The daemon answers nothing larger (MessageTooLargeError, before a
+# sample draws); a call without it is held to the daemon's own --max-message-mb.
+MAX_RECEIVE_KEY = "millpond-max-receive-bytes"
 
 
 def _varint(value: int) -> bytes:
@@ -130,6 +135,15 @@ def encoded_batch_nbytes(columns: Mapping[str, tuple[str, tuple[int, ...], int]]
         column_len = len(_column_head(name, dtype, shape, nbytes)) + nbytes
         length += len(_len_prefix(1, column_len)) + column_len
     return len(_len_prefix(1, length)) + length
+
+
+@functools.lru_cache(maxsize=1024)  # a learner's shapes, again and again
+def reply_nbytes(specs: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]) -> int:
+    """Exact size of the SampleReply (field 1: a Batch) :func:`encode_with_batch` makes of
+    arrays of ``specs``, ``(name, little-endian dtype, shape)`` each: known before any
+    array exists."""
+    return encoded_batch_nbytes({name: (dtype.str, shape, math.prod(shape) * dtype.itemsize)
+                                 for name, dtype, shape in specs})
 
 
 # ---- parsing ------------------------------------------------------------------------
