@@ -44,7 +44,9 @@ def memfd_count(pid: int) -> int:
 
 
 def dev_shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    """/dev/shm's files, but POSIX semaphores (``sem.*``: other processes' multiprocessing
+    locks, which come and go on a shared machine; millpond makes none)."""
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
 
 
 def _as_user(uid: int, address: str, queue) -> None:
