@@ -106,11 +106,10 @@ class Tier:
                checksums: np.ndarray | None, direct: set[str] | None = None) -> None:
         """Write contiguous rows from ``slot`` on: payload, then seq, then checksum.
         ``direct``: the fields written with pwrite (default: as the file says now)."""
-        k = len(seqs)
+        k, file = len(seqs), self.file
         for name, column in self.columns.items():
-            if (name in direct if direct is not None else
-                    self.file is not None and self.file.direct(name)):
-                self.file.write_rows(name, slot, rows[name])  # no old page faulted in
+            if file is not None and (name in direct if direct is not None else file.direct(name)):
+                file.write_rows(name, slot, rows[name])  # no old page faulted in
             else:
                 column[slot : slot + k] = rows[name]
         self.seq[slot : slot + k] = seqs
