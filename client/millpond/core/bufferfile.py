@@ -327,10 +327,12 @@ class BufferFile:
             fsync_directory(os.path.dirname(os.path.abspath(self.path)))
 
     @classmethod
-    def open(cls, path: str) -> "BufferFile":
-        """Map an existing buffer file; raises CorruptFileError if it is not a sound one."""
+    def open(cls, path: str, readonly: bool = False) -> "BufferFile":
+        """Map an existing buffer file; raises CorruptFileError if it is not a sound one.
+        ``readonly``: for reading only (:mod:`.inspect`); nothing may be written then."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_NOFOLLOW
+                         | os.O_CLOEXEC)
         except FileNotFoundError as exc:
             raise InvalidConfigError(f"no buffer file at {path}") from exc
         except OSError as exc:  # ELOOP: a symlink; never followed
@@ -339,7 +341,7 @@ class BufferFile:
             size = os.fstat(fd).st_size
             if size < PAGE:
                 raise CorruptFileError(f"{path}: {size} bytes is too short for a millpond file")
-            mm = mmap.mmap(fd, size)
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_DEFAULT)
             try:
                 meta, schema, version = _read_meta(mm, path)
                 state = read_commit(mm, path, version)
@@ -484,6 +486,20 @@ def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema, int]:
     if end > len(mm):
         raise CorruptFileError(f"{path}: truncated: {len(mm):,} bytes, regions need {end:,}")
     return meta, schema, version
+
+
+def read_slots(raw: bytes) -> list[tuple[tuple[int, int, int, int], bool]]:
+    """Both commit slots of a file's first bytes, as stored, and whether each is sound
+    (for a look at a file that cannot be opened)."""
+    slots = []
+    for offset in _SLOT_OFFSETS:
+        if len(raw) < offset + _SLOT.size:
+            break
+        generation, pushed, first, hot_lo, crc = _SLOT.unpack_from(raw, offset)
+        counters = (generation, pushed, first, hot_lo)
+        slots.append((counters, bool(generation) and crc == _slot_crc(*counters)
+                      and first <= hot_lo <= pushed))
+    return slots
 
 
 class CommitState:
