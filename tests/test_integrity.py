@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import gzip
 import os
+import signal
 import struct
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import ServerProcess, engine
+from support import ServerProcess, engine, wait_until
 
 import millpond
 from millpond.core import Schema, TieredBuffer, bufferfile, checksum_v4
@@ -536,3 +538,40 @@ def test_inspect_a_format_4_file_and_a_cold_only_file(tmp_path):
     code, out = inspect_cli(cold)
     buf.close()
     assert code == 0 and "6 records checked (seq; cold only, no checksums: not persistent)" in out, out
+
+
+@pytest.mark.daemon
+@pytest.mark.slow
+def test_sigkill_during_pushes_that_evict_loses_no_acknowledged_record(tmp_path):
+    """A daemon killed while an actor's pushes evict: the file holds every acknowledged
+    record the landed pushes did not evict, and the push in flight wholly or not at all
+    (format 4's three commits lost the records an unlanded push evicted)."""
+    data = tmp_path / "data"
+    rng = np.random.default_rng(11)
+    total, n = 1_000, 50
+    for trial in range(int(os.environ.get("MILLPOND_CRASH_TRIALS", "12"))):
+        server = ServerProcess(data).start()
+        buf = millpond.connect(server.address, timeout=5).create_buffer(
+            f"evict{trial}", hot_capacity=100, total_capacity=total, fields=ID_FIELDS)
+        acked = [0]
+
+        def actor(buf=buf, acked=acked) -> None:
+            while True:
+                try:
+                    buf.push_batch(**ids(acked[0], n))
+                except millpond.ReplayError:
+                    return  # the daemon died under us
+                acked[0] += n
+
+        thread = threading.Thread(target=actor)
+        thread.start()
+        wait_until(lambda acked=acked: acked[0] >= 2 * total, timeout=60)  # evicting by now
+        threading.Event().wait(rng.uniform(0.0, 0.05))  # a random moment, not a sync point
+        server.stop(signal.SIGKILL)
+        thread.join(30)
+        stored = TieredBuffer.open(data / f"evict{trial}.buffer")
+        pushed, got = stored.pushed, stored.contents()["id"].tolist()
+        stored.release()
+        assert pushed in (acked[0], acked[0] + n), (trial, pushed, acked[0])
+        assert got == list(range(pushed - total, pushed)), \
+            f"trial {trial}: {total - len(got)} acknowledged records lost"
