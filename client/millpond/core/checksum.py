@@ -34,11 +34,13 @@ blocks, the same code for both ends. Measured on the 2-core development
 machine (``make bench ARGS="--only integrity"``, beside the format 4 fold in
 the same run): 4 GB/s for CartPole batches (0.64x the fold), 9 GB/s for Atari
 ones (0.2x the fold, which was one pass at memory speed); persistent
-in-process pushes at 0.7-1.0x (CartPole) and about 0.45x (Atari: there the
-hash is half of a push); over the daemon's transports the rest of a push
-weighs more. A maintained hash per record for large records (xxh3) could
-cut the Atari cost, at the price of a second algorithm and a dependency; the
-engine keeps to numpy and the standard library.
+in-process pushes at 0.7-1.0x (CartPole) and 0.45-0.8x (Atari: there the
+hash is up to half of a push); pushes to the daemon (format 5 beside
+format 4, ``--sync none``) at about 0.6x over shared memory and 0.75x over
+gRPC for Atari, 0.75-0.85x for CartPole. A maintained hash per record for
+large records (xxh3) could cut the Atari cost, at the price of a second
+algorithm and a dependency; the engine keeps to numpy and the standard
+library.
 
 How: small fields (and the seq, and the last partial word of large ones) are
 copied word by word into one scratch matrix ``[words, records]`` and hashed
