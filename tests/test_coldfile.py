@@ -309,13 +309,8 @@ def test_a_slot_array_region_of_the_wrong_size_is_a_damaged_header(tmp_path):
                               persistent=True, slot_arrays={"priority": "<f8"})
     created.publish()
     created.close(delete=False)
-    raw = bytearray(path.read_bytes())
-    length = struct.unpack_from("<I", raw, 16)[0]
-    meta = json.loads(raw[128 : 128 + length])
+    meta = ColdFile.peek(str(path))
     meta["regions"]["slot:priority"][1] -= 8
-    blob = json.dumps(meta).encode()
-    raw[128 : 128 + len(blob)] = blob
-    struct.pack_into("<I", raw, 16, len(blob))
-    path.write_bytes(bytes(raw))
-    with pytest.raises(millpond.CorruptFileError, match="damaged header"):
+    ColdFile.write_meta(str(path), meta)  # its checksum resealed: the sizes are checked too
+    with pytest.raises(millpond.CorruptFileError, match="damaged header metadata"):
         ColdFile.open(str(path))

@@ -236,12 +236,13 @@ def test_a_full_disk_refuses_new_buffers_and_never_kills_the_daemon(small_fs):
         assert len(buf) == 20_000 and server.proc.poll() is None
 
 
-def flip_byte(path, field: str, slot: int, hot: bool) -> None:
-    """Flip one byte of one record's ``field`` in a buffer file (a bad sector, a bit rot)."""
+def flip_byte(path, field: str, seq: int, hot: bool) -> None:
+    """Flip one byte of record ``seq``'s ``field`` in a buffer file (a bad sector, a bit rot)."""
     raw = bytearray(path.read_bytes())
     length = struct.unpack_from("<I", raw, 16)[0]  # see core/bufferfile.py
     meta = json.loads(bytes(raw[128 : 128 + length]))
     offset, _ = meta["regions"][("hot:" if hot else "") + field]
+    slot = seq % (meta["hot_capacity"] + meta.get("spare", 0) if hot else meta["cold_capacity"])
     nbytes = int(np.prod(meta["schema"][field][1] or [1])) * np.dtype(meta["schema"][field][0]).itemsize
     raw[offset + slot * nbytes] ^= 0x40
     path.write_bytes(bytes(raw))
@@ -253,8 +254,8 @@ def test_a_flipped_byte_is_found_and_can_be_skipped(tmp_path, hot):
     buf = engine(Schema.from_spec(CRASH_FIELDS), 10, 60, path, persistent=True)
     buf.push_batch(crash_records(1, 0, 40))  # seqs 30..39 hot (slots 0..9), 0..29 cold
     buf.release()
-    flip_byte(path, "payload", slot=3, hot=hot)  # seq 33 (hot) or 3 (cold)
     bad_seq = 33 if hot else 3
+    flip_byte(path, "payload", bad_seq, hot=hot)
     with pytest.raises(millpond.CorruptFileError, match=rf"1 of 40 live records fail.*\[{bad_seq}\]"):
         TieredBuffer.open(path)
     survivor = TieredBuffer.open(path, skip_corrupt=True)
@@ -275,7 +276,7 @@ def test_the_daemon_names_damage_and_skip_corrupt_serves_the_rest(tmp_path):
         buf = millpond.connect(server.address).create_buffer(
             "hurt", hot_capacity=10, total_capacity=60, fields=CRASH_FIELDS)
         buf.push_batch(**crash_records(1, 0, 40))
-    flip_byte(data / "hurt.buffer", "actor", slot=5, hot=False)
+    flip_byte(data / "hurt.buffer", "actor", 5, hot=False)
     refused = ServerProcess(data)
     with pytest.raises(RuntimeError, match=r"hurt\.buffer: 1 of 40 live records fail"):
         refused.start()

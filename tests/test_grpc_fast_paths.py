@@ -1,7 +1,7 @@
 """The shortcuts of the gRPC path change nothing but speed.
 
-* checksums computed the fast way equal the definition, bit for bit (files
-  written before keep their meaning);
+* format 4's checksums computed the fast way equal their definition, bit for bit
+  (files written before keep their meaning; format 5's: tests/test_integrity.py);
 * a Batch framed like the last one parsed decodes to what the parser gives;
 * a sample reply filled in place is the bytes ``encode_with_batch`` makes;
 * a received reply is handed out writable only while nothing else holds it;
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from millpond.core import BufferConfig, Schema
-from millpond.core.checksum import record_checksums
+from millpond.core.checksum_v4 import record_checksums
 from millpond.v1 import replay_pb2 as pb
 from millpond.wire.frames import (
     PUSH_BATCH_FIELD,
@@ -47,7 +47,7 @@ DTYPES = st.sampled_from(["<f4", "<f8", "|u1", "<i8", "|b1", "<u2", "<f2", "<i4"
 
 
 def reference_checksums(columns, seqs) -> np.ndarray:
-    """The definition (core/checksum.py), one field and one byte at a time."""
+    """The definition (core/checksum_v4.py), one field and one byte at a time."""
     k = len(seqs)
     acc = np.zeros(k, np.uint64)
     for column in columns.values():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import struct
 
 import numpy as np
@@ -10,7 +9,7 @@ import pytest
 from support import ServerProcess, engine
 
 import millpond
-from millpond.core import TieredBuffer, bufferfile
+from millpond.core import TieredBuffer
 from millpond.core.bufferfile import BufferFile
 from millpond.core.sumtree import SumTree
 
@@ -226,9 +225,10 @@ def test_damaged_records_stay_out_and_the_others_keep_their_priorities(tmp_path)
     buf = persistent(path, hot=4, total=8)
     push_records(buf, 0, 6, [1.0, 2.0, 3.0, 4.0, 9.0, 6.0])  # 0, 1 cold; 2..5 hot
     buf.release()
-    offset = BufferFile.peek(str(path))["regions"]["hot:id"][0]
-    with open(path, "r+b") as f:  # record 4 (hot slot 0): its checksum no longer matches
-        f.seek(offset + 8 * (4 % 4))
+    meta = BufferFile.peek(str(path))
+    offset, slots = meta["regions"]["hot:id"][0], meta["hot_capacity"] + meta["spare"]
+    with open(path, "r+b") as f:  # record 4 (hot): its checksum no longer matches
+        f.seek(offset + 8 * (4 % slots))
         f.write(struct.pack("<d", 123.0))
     again = TieredBuffer.open(path, skip_corrupt=True)
     assert again.info().damaged == 1 and len(again) == 5
@@ -256,15 +256,7 @@ def test_zero_priorities_stay_zero_and_skipped_records_stay_out(tmp_path):
 
 def add_to_header(path, **meta):
     """Add keys to a buffer file's JSON metadata, in place (as an older version wrote it)."""
-    with open(path, "r+b") as f:
-        magic, version, header, length = bufferfile._PREFIX.unpack(f.read(bufferfile._PREFIX.size))
-        f.seek(bufferfile._JSON_OFFSET)
-        blob = json.dumps({**json.loads(f.read(length)), **meta}).encode()
-        assert bufferfile._JSON_OFFSET + len(blob) <= header
-        f.seek(0)
-        f.write(bufferfile._PREFIX.pack(magic, version, header, len(blob)))
-        f.seek(bufferfile._JSON_OFFSET)
-        f.write(blob)
+    BufferFile.write_meta(str(path), {**BufferFile.peek(str(path)), **meta})
 
 
 def test_files_without_stored_priorities_still_open_at_priority_one(tmp_path):

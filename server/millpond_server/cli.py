@@ -1,4 +1,4 @@
-"""The ``millpond`` command: ``serve``, ``info``, ``health``.
+"""The ``millpond`` command: ``serve``, ``info``, ``health``, ``inspect``.
 
 Exit codes: 0 success; 1 runtime failure (server unreachable, not serving,
 cannot bind); 2 bad usage or configuration (flags, environment, TOML).
@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "or 127.0.0.1:50051]")
         p.add_argument("--timeout", type=float, default=CLIENT_TIMEOUT_S,
                        help=f"seconds to wait for the answer (default {CLIENT_TIMEOUT_S})")
+    add_inspect_parser(sub)
     return parser
 
 
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return cmd_serve(args)
+    if args.command == "inspect":
+        return cmd_inspect(args)
     from millpond.errors import InvalidConfigError
 
     address = args.address or _default_address()
@@ -183,6 +186,74 @@ def cmd_health(address: str, timeout: float) -> int:
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(status)
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+# ---- inspect --------------------------------------------------------------------
+
+INSPECT_TEXT = ("check a buffer file offline (no daemon; nothing written): print its header, "
+                "both commit slots and the records that fail their checks; exit 0 if it is "
+                "healthy, 1 if it is damaged, 2 if it cannot be read")
+
+
+def add_inspect_parser(sub: Any) -> None:
+    p = sub.add_parser("inspect", help="check a buffer file offline", description=INSPECT_TEXT)
+    p.add_argument("file", help="a buffer file (<data-dir>/<name>.buffer)")
+    p.add_argument("--all-seqs", action="store_true",
+                   help="list every damaged seq (default: the first 20)")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from millpond.core.inspect import inspect
+
+    found = inspect(args.file)
+    print(format_inspection(found, limit=None if args.all_seqs else 20))
+    return found.status
+
+
+def format_inspection(found: Any, limit: int | None = 20) -> str:
+    """The report of :func:`millpond.core.inspect.inspect`, as ``millpond inspect`` prints it."""
+    lines = [f"file      {found.path}"]
+    if found.version is not None:
+        lines.append(f"format    version {found.version}" + (
+            " (millpond 0.1.0's first files: no metadata checksum, 16-bit record checksums)"
+            if found.version == 4 else ""))
+    meta = found.meta
+    if meta is not None:
+        spare = f" (+{meta['spare']:,} spare)" if meta.get("spare") else ""
+        fields = " ".join(f"{name}:{dtype}" + (f"[{','.join(map(str, shape))}]" if shape else "")
+                          for name, (dtype, shape) in meta["schema"].items())
+        lines += [
+            f"schema    {fields}",
+            f"capacity  hot {meta['hot_capacity']:,}{spare}, cold {meta['cold_capacity']:,}, "
+            f"total {meta['total_capacity']:,}; "
+            + ("persistent" if meta["persistent"] else "not persistent (hot records in RAM)"),
+            "sampling  " + ", ".join(f"{key} {meta[key]}" for key in
+                                     ("mode", "max_times_sampled", "prioritized", "episodes")
+                                     if meta.get(key) not in (None, False)),
+        ]
+    for slot in found.slots:
+        lines.append(f"commit {slot.name}  generation {slot.generation:,}, pushed {slot.pushed:,}, "
+                     f"first {slot.first:,}, hot from {slot.hot_lo:,}: "
+                     + ("sound" if slot.sound else "DAMAGED") + (", used" if slot.used else ""))
+    lines += [f"note      {note}" for note in found.notes]
+    if found.error is not None:
+        lines.append(f"UNREADABLE  {found.error}")
+        return "\n".join(lines)
+    live = found.pushed - found.first
+    lines.append(f"records   {live:,} live (seqs {found.first:,} to {found.pushed - 1:,}): "
+                 f"{found.hot_lo - found.first:,} cold, {found.pushed - found.hot_lo:,} hot"
+                 if live else "records   none live")
+    what = "seq and checksum" if found.checksummed else "seq; cold only, no checksums: not persistent"
+    bad = found.damaged
+    if len(bad):
+        shown = bad.tolist() if limit is None else bad[:limit].tolist()
+        more = "" if len(shown) == len(bad) else f" ... (+{len(bad) - len(shown):,}; --all-seqs)"
+        lines.append(f"DAMAGED   {len(bad):,} of {found.checked:,} records fail their {what} "
+                     f"check: seqs {', '.join(map(str, shown))}{more}")
+    else:
+        lines.append(f"checks    {found.checked:,} records checked ({what}): all pass")
+    lines.append("status    " + ("healthy" if found.status == 0 else "DAMAGED"))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # pragma: no cover

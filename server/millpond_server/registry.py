@@ -127,6 +127,8 @@ class Registry:
             with self._lock:
                 self._buffers[name] = buffer
             self.recovery = (i, len(paths), 0, 0)
+            for note in buffer.recovery_notes:  # e.g. a damaged commit slot, not relied on
+                log.warning(note, extra={"kv": {"buffer": name}})
             damaged = buffer.info().damaged
             if damaged:
                 log.warning("damaged records left out", extra={"kv": {

@@ -40,7 +40,7 @@ from millpond.core.episode_checks import (
     require_episodes,
 )
 from millpond.core.episodes import EpisodeIndex, record_ends
-from millpond.core.fifo import Fifo
+from millpond.core.fifo import BeforeCommit, Fifo
 from millpond.core.fileops import sync_fd, temp_path
 from millpond.core.footprint import hot_nbytes, memory_needed, slot_arrays_for
 from millpond.core.info import BufferInfo
@@ -109,7 +109,8 @@ class TieredBuffer(ConfigAccessors):
                 config.schema, hot)
             assert hot_tier is not None  # a persistent buffer's file holds its hot tier
             fifo = Fifo(config.schema, hot_tier, None if file is None else file.tier, total, file,
-                        durable=persistent, sync_every_push=sync_every_push)
+                        durable=persistent, sync_every_push=sync_every_push,
+                        spare=file.spare if file is not None and persistent else 0)
             self._setup(config, fifo, persistent)
             if file is not None:
                 file.publish(replace=not exclusive)
@@ -164,6 +165,14 @@ class TieredBuffer(ConfigAccessors):
     def path(self) -> str | None:
         """The buffer's file (both tiers if persistent), or None if it has none."""
         return self._fifo.file.path if self._fifo.file is not None else None
+
+    @property
+    def recovery_notes(self) -> list[str]:
+        """What reopening found wrong and got around (e.g. a damaged commit slot), to be
+        reported; empty for a buffer made here."""
+        file = self._fifo.file
+        state = file.commit_state if file is not None else None
+        return list(state.notes) if state is not None else []
 
     @property
     def pushed(self) -> int:
@@ -250,7 +259,7 @@ class TieredBuffer(ConfigAccessors):
             return self._size(), self._fifo.pushed
 
     def _append(self, n: int, batch: Mapping[str, np.ndarray],
-                before_commit: Callable[[int, int], None] | None = None,
+                before_commit: BeforeCommit | None = None,
                 priorities: np.ndarray | None = None) -> None:
         """Store a batch admitted in full (lock held)."""
         old, new = self._fifo.append(n, batch, before_commit)
@@ -511,20 +520,24 @@ class TieredBuffer(ConfigAccessors):
     # ---- helpers -------------------------------------------------------------------------
 
     def _episode_writes(self, n: int, batch: Mapping[str, np.ndarray], episodes: Any,
-                        updates: Any) -> Callable[[int, int], None] | None:
+                        updates: Any) -> BeforeCommit | None:
         """What a push of ``batch`` (``n`` validated records, of ``episodes``) writes into
-        the episode index before it commits, and then ``updates`` (meta, ends) that
-        ride with it: visible together with its records (None: not episodic)."""
+        the episode index before it commits (a chunk of it at a time), and then, with
+        its last chunk, ``updates`` (meta, ends) that ride with it: visible together with
+        its records (None: not episodic)."""
         ids = check_push_episodes(self.config, episodes, n)
         checked = check_updates(self.config, updates) if updates else []
         index = self._episodes
         if ids is None or index is None:
             return None
+        ends = record_ends(self.config.schema, batch, n)
 
-        def write(old: int, new: int) -> None:
-            index.appended(old, new, ids, record_ends(self.config.schema, batch, n))
-            for episode, meta, end in checked:
-                index.update(episode, meta, end, index.first_after(new))
+        def write(lo: int, hi: int, row: int) -> None:
+            rows = slice(row, row + hi - lo)
+            index.appended(lo, hi, ids[rows], ends[rows])
+            if rows.stop == n:
+                for episode, meta, end in checked:
+                    index.update(episode, meta, end, index.first_after(hi))
 
         return write
 

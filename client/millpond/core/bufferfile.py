@@ -4,26 +4,52 @@ It always holds the cold ring. A *persistent* buffer keeps its hot ring in the
 file too, so that everything it acknowledged survives a crash of the process:
 the mapping's pages live in the page cache, not in the process.
 
-Layout (all integers little-endian)::
+Layout (format version 5; all integers little-endian)::
 
     offset 0    magic  b"MILLPOND"
     offset 8    u32    format version
     offset 12   u32    header size in bytes (a multiple of the page size)
     offset 16   u32    length of the JSON metadata
+    offset 20   u32    crc32 of bytes 0..20 and of the JSON metadata
     offset 32   commit slot A: u64 generation, u64 pushed, u64 first, u64 hot_lo,
                 u32 crc32 of the four (live seqs: [first, pushed); hot from hot_lo)
     offset 72   commit slot B: the same
     offset 128  JSON   {"schema", "hot_capacity", "total_capacity",
-                        "cold_capacity", "persistent", ["slot_arrays": {name: dtype}],
+                        "cold_capacity", "persistent", "spare", "checksum",
+                        ["slot_arrays": {name: dtype}],
                         "regions": {name: [offset, nbytes]}}
-    then one page-aligned region per tier and field, one per tier for seq,
-    one per slot array ("slot:<name>", ``total_capacity`` elements)
+    then one page-aligned region per tier and field, one per tier for seq and
+    (persistent) for the records' checksums (:mod:`.checksum`), one per slot
+    array ("slot:<name>", ``total_capacity`` elements)
 
-The commit point of a push is its counter: written, after the records, to the
-slot the next generation names (A, B, A, ...) with a checksum. A crash in the
-middle of writing a slot leaves the other one intact, and reopening takes the
-valid slot with the highest generation. Records past the committed counter
-are ignored, so an interrupted push is absent, never half present.
+Every byte of it the daemon trusts is checked: the prefix and the metadata
+by their crc32 (a same-length edit of the JSON, a flipped bit, is
+CorruptFileError), each commit slot by its own, each record by its checksum.
+
+The commit point of a change is its counters, written to slot A and then
+to slot B (the same counters, generation and crc32). A crash while writing
+A leaves B with the previous commit; one while writing B leaves A with this
+one; at rest both hold the last. So damage to one slot (a torn write, a bad
+sector, a flipped bit) never loses an acknowledged push: the other holds
+the same commit, or the one before a change that was never acknowledged.
+Reopening takes A if it is sound and B holds the same generation or the one
+before; B if A is damaged; both damaged, or disagreeing otherwise, is
+CorruptFileError. A damaged slot is reported (:attr:`BufferFile.notes`).
+Records past the committed counter are ignored, so an interrupted push is
+absent, never half present (see :mod:`.fifo` for pushes larger than the
+spare slots).
+
+A persistent file's hot tier has ``spare`` slots beyond ``hot_capacity``
+(at most :data:`SPARE_BYTES` of records): a push writes its records into
+hot slots that hold no live record and commits them and the evictions they
+cause in one step (see :meth:`.fifo.Fifo.append`).
+
+Format version 4 (millpond 0.1.0's first files) is still read and served as
+it is: its 16-bit checksum (:mod:`.checksum_v4`), no metadata checksum, no
+spare slots (a push commits in three steps), and commit slots written one
+at a time, alternately: there a damaged slot may have held the last
+acknowledged push, so reopening with one damaged slot is CorruptFileError
+unless the caller accepts it (``--recover=skip-corrupt``).
 
 Slot arrays are side arrays with one element per record slot of the whole
 FIFO (``seq % total_capacity``), e.g. the priorities of a prioritized buffer.
@@ -48,7 +74,7 @@ from typing import Mapping
 
 import numpy as np
 
-from millpond.core.checksum import CHECKSUM_DTYPE
+from millpond.core import checksum, checksum_v4
 from millpond.core.coldio import TierFile
 from millpond.core.fileops import (
     CREATE_FLAGS,
@@ -60,17 +86,24 @@ from millpond.core.fileops import (
 )
 from millpond.core.memory import keep_resident
 from millpond.core.schema import Schema
-from millpond.core.tier import CHECKSUM_REGION, SEQ_DTYPE, SEQ_REGION, Tier
+from millpond.core.tier import CHECKSUM_REGION, SEQ_DTYPE, SEQ_REGION, Checksums, Tier
 from millpond.errors import CorruptFileError, FileConflictError, InvalidConfigError
 
 MAGIC = b"MILLPOND"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
+OLDEST_VERSION = 4  # the oldest format this millpond reads
+CHECKSUM_NAME = "mix32"  # the record checksum of format 5 (see .checksum)
 PAGE = mmap.PAGESIZE
 _PREFIX = struct.Struct("<8sIII")  # magic, version, header size, json length
+_HEADER_CRC = struct.Struct("<I")  # crc32 of the prefix and the JSON (format 5)
+_HEADER_CRC_OFFSET = 20
 _COUNTERS = struct.Struct("<QQQQ")  # generation, pushed, first, hot_lo
 _SLOT = struct.Struct("<QQQQI")  # the counters and their crc32
 _SLOT_OFFSETS = (32, 72)
+SLOT_NAMES = ("A", "B")
 _JSON_OFFSET = 128
+# A persistent hot tier's spare slots: this many bytes of records (at most total_capacity).
+SPARE_BYTES = 4 << 20
 HOT_PREFIX = "hot:"
 SLOT_PREFIX = "slot:"  # never a field name's prefix either: fields are identifiers
 
@@ -79,12 +112,41 @@ def _round_up(n: int, to: int = PAGE) -> int:
     return -(-n // to) * to
 
 
+class Format:
+    """What a format version means: its record checksum, whether its metadata is
+    checksummed, whether its commits are written to both slots."""
+
+    def __init__(self, version: int, checksum_dtype: np.dtype, checksums: Checksums,
+                 checked_header: bool):
+        self.version = version
+        self.checksum_dtype = checksum_dtype
+        self.checksums = checksums
+        self.checked_header = checked_header  # crc32 of the metadata; commits mirrored
+
+    @staticmethod
+    def of(version: int) -> "Format":
+        return FORMATS[version]
+
+
+FORMATS = {
+    4: Format(4, checksum_v4.CHECKSUM_DTYPE, checksum_v4.record_checksums, False),
+    5: Format(5, checksum.CHECKSUM_DTYPE, checksum.record_checksums, True),
+}
+
+
+def spare_slots(schema: Schema, total_capacity: int) -> int:
+    """The spare hot slots of a persistent file: :data:`SPARE_BYTES` of records, at
+    least 1, at most ``total_capacity`` (a push of more evicts everything anyway)."""
+    per_record = schema.record_nbytes + SEQ_DTYPE.itemsize + checksum.CHECKSUM_DTYPE.itemsize
+    return max(1, min(total_capacity, SPARE_BYTES // per_record))
+
+
 def _region_sizes(schema: Schema, capacity: int, prefix: str,
                   checksums: bool) -> list[tuple[str, int]]:
     sizes = [(prefix + f.name, capacity * f.nbytes) for f in schema]
     sizes.append((prefix + SEQ_REGION, capacity * SEQ_DTYPE.itemsize))
     if checksums:
-        sizes.append((prefix + CHECKSUM_REGION, capacity * CHECKSUM_DTYPE.itemsize))
+        sizes.append((prefix + CHECKSUM_REGION, capacity * checksum.CHECKSUM_DTYPE.itemsize))
     return sizes
 
 
@@ -109,18 +171,21 @@ def _plan(schema: Schema, hot_capacity: int, total_capacity: int, persistent: bo
     """(header size, metadata with its region table, file size) of a new file."""
     checked = _check_slot_arrays(slot_arrays or {})
     cold_capacity = total_capacity - hot_capacity
+    # Only a persistent file is ever reopened: only it needs checksums and spare slots.
+    spare = spare_slots(schema, total_capacity) if persistent else 0
     meta = {
         "schema": {name: [dt, list(shape)] for name, (dt, shape) in schema.spec().items()},
         "hot_capacity": hot_capacity,
         "total_capacity": total_capacity,
         "cold_capacity": cold_capacity,
         "persistent": persistent,
+        "spare": spare,
+        "checksum": CHECKSUM_NAME,
         **(extra_meta or {}),  # e.g. the sampler of a prioritized buffer
     }
-    # Only a persistent file is ever reopened: only it needs checksums.
     sizes = _region_sizes(schema, cold_capacity, "", persistent) if cold_capacity else []
     if persistent:
-        sizes += _region_sizes(schema, hot_capacity, HOT_PREFIX, True)
+        sizes += _region_sizes(schema, hot_capacity + spare, HOT_PREFIX, True)
     if checked:
         meta["slot_arrays"] = checked
         sizes += [(SLOT_PREFIX + name, total_capacity * np.dtype(dtype).itemsize)
@@ -134,24 +199,37 @@ def _slot_crc(*counters: int) -> int:
     return zlib.crc32(_COUNTERS.pack(*counters))
 
 
+def _header_crc(mm: mmap.mmap, length: int) -> int:
+    """The crc32 of the prefix (bytes 0..20) and of the JSON metadata."""
+    return zlib.crc32(mm[_JSON_OFFSET : _JSON_OFFSET + length],
+                      zlib.crc32(mm[:_HEADER_CRC_OFFSET]))
+
+
 class BufferFile:
     """One buffer's tiers in a mapped file. Not thread-safe: the buffer locks."""
 
     def __init__(self, path: str, fd: int, mm: mmap.mmap, meta: dict, schema: Schema,
-                 counters: tuple[int, int, int, int] = (0, 0, 0, 0)):
+                 counters: tuple[int, int, int, int] = (0, 0, 0, 0),
+                 version: int = FORMAT_VERSION, commit: "CommitState | None" = None):
         self.path = path
         self.final_path = path  # where publish() puts a created file
         self._fd = fd
         self._mm: mmap.mmap | None = mm  # None once closed
         self.meta = meta
         self.schema = schema
+        self.format = Format.of(version)
         self.generation, self.pushed, self.first, self.hot_lo = counters
+        # How the commit was read (None: created here): which slot, what was damaged.
+        self.commit_state = commit
+        self.spare = int(meta.get("spare", 0))  # spare hot slots (format 5, persistent)
         regions = meta["regions"]
         cold = meta["cold_capacity"]
+        fmt = self.format
         # The cold tier reads and writes through the fd (disk-sized, mostly not resident);
         # the hot tier through the mapping (memory-sized, kept resident).
-        self.tier = _map_tier(mm, schema, cold, regions, "", fd) if cold else None
-        self.hot_tier = (_map_tier(mm, schema, meta["hot_capacity"], regions, HOT_PREFIX)
+        self.tier = _map_tier(mm, schema, cold, regions, "", fmt, fd) if cold else None
+        self.hot_tier = (_map_tier(mm, schema, meta["hot_capacity"] + self.spare, regions,
+                                   HOT_PREFIX, fmt)
                          if meta["persistent"] else None)
         self._slot_arrays = {
             name: np.frombuffer(mm, np.dtype(dtype), meta["total_capacity"],
@@ -217,6 +295,7 @@ class BufferFile:
         blob = json.dumps(meta).encode()
         _PREFIX.pack_into(mm, 0, MAGIC, FORMAT_VERSION, header, len(blob))
         mm[_JSON_OFFSET : _JSON_OFFSET + len(blob)] = blob
+        _HEADER_CRC.pack_into(mm, _HEADER_CRC_OFFSET, _header_crc(mm, len(blob)))
         created = cls(temp, fd, mm, meta, schema)
         created.final_path = path
         created.commit(0, 0, 0)
@@ -248,10 +327,12 @@ class BufferFile:
             fsync_directory(os.path.dirname(os.path.abspath(self.path)))
 
     @classmethod
-    def open(cls, path: str) -> "BufferFile":
-        """Map an existing buffer file; raises CorruptFileError if it is not a sound one."""
+    def open(cls, path: str, readonly: bool = False) -> "BufferFile":
+        """Map an existing buffer file; raises CorruptFileError if it is not a sound one.
+        ``readonly``: for reading only (:mod:`.inspect`); nothing may be written then."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_NOFOLLOW
+                         | os.O_CLOEXEC)
         except FileNotFoundError as exc:
             raise InvalidConfigError(f"no buffer file at {path}") from exc
         except OSError as exc:  # ELOOP: a symlink; never followed
@@ -260,17 +341,17 @@ class BufferFile:
             size = os.fstat(fd).st_size
             if size < PAGE:
                 raise CorruptFileError(f"{path}: {size} bytes is too short for a millpond file")
-            mm = mmap.mmap(fd, size)
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_DEFAULT)
             try:
-                meta, schema = _read_meta(mm, path)
-                counters = _read_commit(mm, path)
+                meta, schema, version = _read_meta(mm, path)
+                state = read_commit(mm, path, version)
             except BaseException:
                 mm.close()
                 raise
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, mm, meta, schema, counters)
+        return cls(path, fd, mm, meta, schema, state.counters, version, state)
 
     @staticmethod
     def peek(path: str) -> dict:
@@ -284,19 +365,42 @@ class BufferFile:
     @staticmethod
     def read_meta(mm: mmap.mmap, path: str) -> tuple[dict, int]:
         """Parse and check the header of a mapped file; return (metadata, pushed)."""
-        meta, _ = _read_meta(mm, path)
-        _, pushed, _, _ = _read_commit(mm, path)
+        meta, _, version = _read_meta(mm, path)
+        _, pushed, _, _ = read_commit(mm, path, version).counters
         return meta, pushed
+
+    @staticmethod
+    def write_meta(path: str, meta: dict) -> None:
+        """Replace the JSON metadata of the file at ``path`` (the new one must fit in its
+        header) and reseal its checksum: for tools and tests that edit a file's
+        metadata; serving never does. The version and layout are the caller's."""
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            with mmap.mmap(fd, PAGE) as head:
+                magic, version, header, _ = _PREFIX.unpack_from(head, 0)
+            blob = json.dumps(meta).encode()
+            if _JSON_OFFSET + len(blob) > header:
+                raise InvalidConfigError(f"{path}: the new metadata do not fit its header")
+            with mmap.mmap(fd, header) as mm:
+                mm[_JSON_OFFSET : _JSON_OFFSET + len(blob)] = blob
+                _PREFIX.pack_into(mm, 0, magic, version, header, len(blob))
+                if version in FORMATS and Format.of(version).checked_header:
+                    _HEADER_CRC.pack_into(mm, _HEADER_CRC_OFFSET, _header_crc(mm, len(blob)))
+        finally:
+            os.close(fd)
 
     # ---- writes ----------------------------------------------------------------------
 
     def commit(self, pushed: int, first: int, hot_lo: int) -> None:
-        """Record the live ranges: the commit point of every step of a push."""
+        """Record the live ranges: the commit point of every change of them. Written to
+        slot A, then to slot B (see the module doc), in files of every format: a reader
+        of format 4 takes the sound slot of the highest generation, which is this one."""
         self.generation += 1
         counters = (self.generation, pushed, first, hot_lo)
         assert self._mm is not None  # the buffer commits only while open, under its lock
-        _SLOT.pack_into(self._mm, _SLOT_OFFSETS[self.generation % 2], *counters,
-                        _slot_crc(*counters))
+        crc = _slot_crc(*counters)
+        for offset in _SLOT_OFFSETS:
+            _SLOT.pack_into(self._mm, offset, *counters, crc)
         self.pushed, self.first, self.hot_lo = pushed, first, hot_lo
 
     def sync(self) -> None:
@@ -327,17 +431,36 @@ class BufferFile:
             unlink_quietly(self.path)
 
 
-def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema]:
+def _version() -> str:
+    """This millpond's version (the engine does not import the package's top level)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("millpond")
+    except PackageNotFoundError:
+        return "(version unknown)"
+
+
+def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema, int]:
+    """(metadata, schema, format version) of a mapped file, all checked."""
     if len(mm) < _JSON_OFFSET:
         raise CorruptFileError(f"{path}: too short to be a millpond buffer file")
     magic, version, header, length = _PREFIX.unpack_from(mm, 0)
     if magic != MAGIC:
         raise CorruptFileError(f"{path}: not a millpond buffer file (bad magic)")
-    if version != FORMAT_VERSION:
-        raise CorruptFileError(f"{path}: format version {version}; this millpond reads version "
-                               f"{FORMAT_VERSION} only")
+    if version not in FORMATS:
+        newer = "a newer millpond made it: serve it with that one" if version > FORMAT_VERSION \
+            else "the header is damaged, or a millpond too old to be read made it"
+        raise CorruptFileError(
+            f"{path}: format version {version}; millpond {_version()} reads versions "
+            f"{OLDEST_VERSION} to {FORMAT_VERSION} ({newer})")
     if not _JSON_OFFSET + length <= header <= len(mm):
         raise CorruptFileError(f"{path}: damaged header (metadata length {length})")
+    if Format.of(version).checked_header:
+        (stored,) = _HEADER_CRC.unpack_from(mm, _HEADER_CRC_OFFSET)
+        if stored != _header_crc(mm, length):
+            raise CorruptFileError(f"{path}: damaged header: the metadata fail their checksum "
+                                   "(crc32): the file's layout cannot be trusted")
     try:
         meta = json.loads(bytes(mm[_JSON_OFFSET : _JSON_OFFSET + length]))
         schema = Schema.from_spec({k: (dt, tuple(shape)) for k, (dt, shape) in meta["schema"].items()})
@@ -346,28 +469,85 @@ def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema]:
         for name, dtype in meta.get("slot_arrays", {}).items():
             if regions[SLOT_PREFIX + name][1] != meta["total_capacity"] * np.dtype(dtype).itemsize:
                 raise ValueError(f"slot array {name!r} has the wrong size")
+        tiers = [("", meta["cold_capacity"])]
+        if meta["persistent"]:
+            tiers.append((HOT_PREFIX, meta["hot_capacity"] + meta.get("spare", 0)))
+        for prefix, capacity in tiers:
+            for f in schema if capacity else ():
+                if regions[prefix + f.name][1] != capacity * f.nbytes:
+                    raise ValueError(f"region {prefix + f.name!r} has the wrong size")
+        if version >= 5 and meta.get("checksum") != CHECKSUM_NAME:
+            raise ValueError(f"record checksum {meta.get('checksum')!r}")
+        spare = meta.get("spare", 0)
+        if not isinstance(spare, int) or spare < 0 or (spare and version < 5):
+            raise ValueError(f"spare {spare!r}")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CorruptFileError(f"{path}: damaged header metadata") from exc
+        raise CorruptFileError(f"{path}: damaged header metadata ({exc})") from exc
     if end > len(mm):
         raise CorruptFileError(f"{path}: truncated: {len(mm):,} bytes, regions need {end:,}")
-    return meta, schema
+    return meta, schema, version
 
 
-def _read_commit(mm: mmap.mmap, path: str) -> tuple[int, int, int, int]:
-    """The valid commit slot with the highest generation: (generation, pushed, first, hot_lo)."""
-    valid = []
+def read_slots(raw: bytes) -> list[tuple[tuple[int, int, int, int], bool]]:
+    """Both commit slots of a file's first bytes, as stored, and whether each is sound
+    (for a look at a file that cannot be opened)."""
+    slots = []
     for offset in _SLOT_OFFSETS:
-        *counters, crc = _SLOT.unpack_from(mm, offset)
-        generation, pushed, first, hot_lo = counters
-        if generation and crc == _slot_crc(*counters) and first <= hot_lo <= pushed:
-            valid.append(tuple(counters))
-    if not valid:
-        raise CorruptFileError(f"{path}: both copies of the push counter are damaged")
-    return max(valid)
+        if len(raw) < offset + _SLOT.size:
+            break
+        generation, pushed, first, hot_lo, crc = _SLOT.unpack_from(raw, offset)
+        counters = (generation, pushed, first, hot_lo)
+        slots.append((counters, bool(generation) and crc == _slot_crc(*counters)
+                      and first <= hot_lo <= pushed))
+    return slots
+
+
+class CommitState:
+    """What the two commit slots of a file say: the counters to use, each slot as read,
+    and what was wrong (``notes``; ``doubt``: why an acknowledged push may be missing)."""
+
+    def __init__(self, counters: tuple[int, int, int, int], used: str,
+                 slots: list[tuple[tuple[int, int, int, int], bool]], notes: list[str],
+                 doubt: str | None = None):
+        self.counters = counters
+        self.used = used  # "A", "B"
+        self.slots = slots  # per slot: (counters as stored, sound)
+        self.notes = notes
+        self.doubt = doubt
+
+
+def read_commit(mm: mmap.mmap, path: str, version: int) -> CommitState:
+    """The committed live ranges of a mapped file (see the module doc); CorruptFileError
+    if neither slot can be trusted."""
+    slots: list[tuple[tuple[int, int, int, int], bool]] = []
+    for offset in _SLOT_OFFSETS:
+        generation, pushed, first, hot_lo, crc = _SLOT.unpack_from(mm, offset)
+        counters = (generation, pushed, first, hot_lo)
+        sound = bool(generation) and crc == _slot_crc(*counters) and first <= hot_lo <= pushed
+        slots.append((counters, sound))
+    (a, a_ok), (b, b_ok) = slots
+    if not a_ok and not b_ok:
+        raise CorruptFileError(f"{path}: both copies of the push counter (commit slots A and B) "
+                               "are damaged: which records were acknowledged is unknown")
+    if a_ok and b_ok:
+        if version < 5 or a[0] == b[0] + 1 or a == b:  # format 4: the newer one
+            used = "A" if a[0] >= b[0] else "B"
+            return CommitState(a if used == "A" else b, used, slots, [])
+        raise CorruptFileError(
+            f"{path}: the commit slots disagree (generation {a[0]} in A, {b[0]} in B): "
+            "damaged beyond what one torn write explains")
+    used, bad = ("A", "B") if a_ok else ("B", "A")
+    counters = a if a_ok else b
+    note = f"commit slot {bad} is damaged; slot {used} (generation {counters[0]}) is used"
+    if version >= 5:  # every commit is in both: the other one holds it, or the one before
+        return CommitState(counters, used, slots, [note + " (no acknowledged push lost)"])
+    doubt = (f"{note}, which may lack the last acknowledged push (a format 4 file writes "
+             "its commits to one slot at a time)")
+    return CommitState(counters, used, slots, [doubt], doubt)
 
 
 def _map_tier(mm: mmap.mmap, schema: Schema, capacity: int, regions: dict, prefix: str,
-              fd: int | None = None) -> Tier:
+              fmt: Format, fd: int | None = None) -> Tier:
     """The tier whose regions have ``prefix``; with ``fd``, it does its I/O through it."""
     def view(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         offset = regions[prefix + name][0]
@@ -376,15 +556,15 @@ def _map_tier(mm: mmap.mmap, schema: Schema, capacity: int, regions: dict, prefi
 
     columns = {f.name: view(f.name, f.dtype, f.shape) for f in schema}
     seq = view(SEQ_REGION, SEQ_DTYPE, ())
-    checksum = (view(CHECKSUM_REGION, CHECKSUM_DTYPE, ())
-                if prefix + CHECKSUM_REGION in regions else None)
+    checksum_column = (view(CHECKSUM_REGION, fmt.checksum_dtype, ())
+                       if prefix + CHECKSUM_REGION in regions else None)
     file = None
     if fd is not None:
-        arrays = {**columns, SEQ_REGION: seq, **({} if checksum is None else
-                                                  {CHECKSUM_REGION: checksum})}
+        arrays = {**columns, SEQ_REGION: seq, **({} if checksum_column is None else
+                                                  {CHECKSUM_REGION: checksum_column})}
         file = TierFile(fd, mm, {name: regions[prefix + name][0] for name in arrays},
                         {name: array.strides[0] for name, array in arrays.items()})
-    return Tier(capacity, columns, seq, checksum, file)
+    return Tier(capacity, columns, seq, checksum_column, file, fmt.checksums)
 
 
 def _check_slot_arrays(slot_arrays: Mapping[str, str]) -> dict[str, str]:

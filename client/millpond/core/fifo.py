@@ -2,10 +2,14 @@
 
 Every record gets a sequence number ``seq`` (0, 1, 2, ... in push order).
 The live records are ``[first, pushed)``; those from ``hot_lo`` on sit in the
-hot tier at ``seq % hot_capacity``, the older ones in the cold tier at
-``seq % cold_capacity``. A push computes, per batch, which seq ranges move
+hot tier at ``seq % (hot_capacity + spare)``, the older ones in the cold tier
+at ``seq % cold_capacity``. A push computes, per batch, which seq ranges move
 hot -> cold and which go straight to each tier, and copies them as a few
 slices per field: never a loop over records.
+
+A durable FIFO's hot tier has ``spare`` slots beyond ``hot_capacity`` (see
+:meth:`Fifo.append`): a push's records go into slots that hold no live
+record, and the push commits them and the evictions they cause in one step.
 
 Not thread-safe: the buffer holds its lock around every call.
 """
@@ -19,6 +23,9 @@ import numpy as np
 from millpond.core.bufferfile import BufferFile
 from millpond.core.schema import Schema
 from millpond.core.tier import Tier
+
+# before_commit(lo, hi, row): records [lo, hi), batch rows from row on, are written, not yet live.
+BeforeCommit = Callable[[int, int, int], None]
 
 
 class FifoListener(Protocol):
@@ -40,15 +47,18 @@ class Fifo:
     A *durable* FIFO (a persistent buffer) records every change of its ranges
     in its file (:meth:`BufferFile.commit`); ``sync_every_push`` also syncs
     each one. ``holes`` are live seqs that failed their checks at reopen:
-    never served, gone once evicted.
+    never served, gone once evicted. ``spare``: the hot tier's slots beyond
+    ``hot_capacity`` (its ``capacity`` counts them).
     """
 
     def __init__(self, schema: Schema, hot: Tier, cold: Tier | None, total_capacity: int,
-                 file: BufferFile | None, durable: bool, sync_every_push: bool = False):
+                 file: BufferFile | None, durable: bool, sync_every_push: bool = False,
+                 spare: int = 0):
         self.schema = schema
         self.hot = hot
         self.cold = cold
-        self.hot_capacity = hot.capacity
+        self.spare = spare
+        self.hot_capacity = hot.capacity - spare
         self.total_capacity = total_capacity
         self.file = file
         self.durable = durable
@@ -76,18 +86,66 @@ class Fifo:
     # ---- writes ----------------------------------------------------------------
 
     def append(self, n: int, batch: Mapping[str, np.ndarray],
-               before_commit: Callable[[int, int], None] | None = None) -> tuple[int, int]:
+               before_commit: BeforeCommit | None = None) -> tuple[int, int]:
         """Store a validated batch of ``n`` records; return its seqs ``(old, new)``.
 
-        A durable FIFO commits in three steps, so that a crash at any point
-        leaves a consistent committed state: (1) the records this push evicts
-        are declared gone before their slots are reused; (2) hot records
-        moved to cold are declared cold before their hot slots are reused;
-        (3) the new records become live. A crash before (3) leaves the push
-        absent. ``before_commit(old, new)`` runs just before (3), once the
-        records are written: what it writes about them is in place whenever
-        they are live.
+        ``before_commit(lo, hi, row)`` runs before records ``[lo, hi)`` (batch rows
+        from ``row`` on) are committed, once they are written: what it writes about
+        them is in place whenever they are live.
+
+        With spare slots (a durable FIFO of format 5), records go in chunks of at
+        most ``spare``, each in one commit: (1) the chunk's records are written
+        into hot slots that hold no live record (the hot tier then holds at most
+        ``hot_capacity`` records, so the ``spare`` slots after them are free);
+        (2) one commit makes them live and evicts what they push out of
+        ``total_capacity``; (3) hot records beyond ``hot_capacity`` are copied to
+        the cold slots of evicted records, and a commit says they are read from
+        cold (it changes no record's presence). A crash before (2) leaves the
+        chunk absent and every record it would have evicted present, intact: no
+        live record's bytes are overwritten before the commit that evicts it. A
+        push of more than ``spare`` records that a crash interrupts may leave its
+        first chunks present (whole records, in order), never part of a chunk.
+        (Slot arrays, one element per ``seq % total_capacity``, have no spare:
+        the elements of records a chunk evicts are rewritten before its commit.)
         """
+        if not self.spare:
+            return self._append_in_place(n, batch, before_commit)
+        old = self.pushed
+        for lo in range(old, old + n, self.spare):
+            hi = min(old + n, lo + self.spare)
+            self.settle()  # the hot tier holds at most hot_capacity records: spare slots are free
+            first = max(self.first, hi - self.total_capacity)
+            for listener in self.listeners:  # (what they keep is in memory: told in order)
+                if first > self.first:
+                    listener.evicting(self.first, first)
+                listener.reusing(max(lo, hi - self.total_capacity), hi)
+            self.hot.write(lo, hi, batch, old)  # (1)
+            if before_commit is not None:
+                before_commit(lo, hi, lo - old)
+            self._commit(hi, first, self.hot_lo, always=True, told=True)  # (2) the chunk is in
+            self.settle()  # (3)
+        return old, old + n
+
+    def settle(self) -> None:
+        """Move the hot records beyond ``hot_capacity`` to the cold tier (into the slots
+        of evicted records), then commit that they are read from there. Nothing to do
+        but after a push's commit (or a crash right after one)."""
+        target = self.pushed - self.hot_capacity
+        if self.hot_lo >= target:
+            return
+        start = max(self.first, self.hot_lo)
+        if self.cold is not None and start < target:
+            self.hot.copy_to(self.cold, start, target)
+        self._commit(self.pushed, self.first, target)
+
+    def _append_in_place(self, n: int, batch: Mapping[str, np.ndarray],
+                         before_commit: BeforeCommit | None) -> tuple[int, int]:
+        """:meth:`append` without spare slots: a FIFO that is not durable, or the file of
+        a format 4 buffer. A durable one commits in three steps, so that a crash at any
+        point leaves a consistent committed state: (1) the records this push evicts are
+        declared gone before their slots are reused; (2) hot records moved to cold are
+        declared cold before their hot slots are reused; (3) the new records become
+        live. A crash before (3) leaves the push absent, and the records it evicted gone."""
         old, new = self.pushed, self.pushed + n
         first = max(self.first, new - self.total_capacity)
         hot_lo = max(self.hot_lo, new - self.hot_capacity)
@@ -95,8 +153,8 @@ class Fifo:
         for listener in self.listeners:
             listener.reusing(max(old, new - self.total_capacity), new)
         if self.cold is not None:
-            # Hot records pushed out by this batch move to cold; a batch larger
-            # than the hot ring sends its own head straight to cold.
+            # Hot records pushed out by this batch move to cold; a batch larger than
+            # the hot ring sends its own head straight to cold.
             if max(first, self.hot_lo) < min(hot_lo, old):
                 self.hot.copy_to(self.cold, max(first, self.hot_lo), min(hot_lo, old))
             if max(first, old) < hot_lo:
@@ -104,7 +162,7 @@ class Fifo:
         self._commit(old, first, hot_lo)  # (2) spilled records now read from cold
         self.hot.write(max(old, hot_lo), new, batch, old)
         if before_commit is not None:
-            before_commit(old, new)
+            before_commit(old, new, 0)
         self._commit(new, first, hot_lo, always=True)  # (3) the push is in
         return old, new
 
@@ -130,15 +188,17 @@ class Fifo:
         (a sample's ``indices`` never name a record pushed after the reset)."""
         self._commit(self.pushed, self.pushed, self.pushed, always=True)
 
-    def _commit(self, pushed: int, first: int, hot_lo: int, always: bool = False) -> None:
+    def _commit(self, pushed: int, first: int, hot_lo: int, always: bool = False,
+                told: bool = False) -> None:
         """Adopt the live ranges; record them in the file if durable.
 
         ``always``: record them in the file of a non-durable FIFO too (the
         final step of each change keeps its header in step, for inspection).
+        ``told``: the listeners already heard of the evictions.
         """
         first = min(first, pushed)
         hot_lo = min(max(hot_lo, first), pushed)
-        if first > self.first:
+        if first > self.first and not told:
             for listener in self.listeners:
                 listener.evicting(self.first, first)
         self.pushed, self.first, self.hot_lo = pushed, first, hot_lo
@@ -206,7 +266,7 @@ class Fifo:
         """Field ``name`` of live records ``seqs`` (any shape): :meth:`gather_rows` for one
         small field, with a short path for records all in the hot tier."""
         if seqs.size and seqs.min() >= self.hot_lo:
-            return self.hot.columns[name].take(seqs % self.hot_capacity, axis=0, mode="clip")
+            return self.hot.columns[name].take(seqs % self.hot.capacity, axis=0, mode="clip")
         return self.gather_rows(seqs, [name])[name]
 
     def tier_order(self, seqs: np.ndarray) -> np.ndarray:

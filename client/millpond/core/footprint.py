@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from millpond.core.bufferfile import BufferFile
+from millpond.core.bufferfile import BufferFile, spare_slots
 from millpond.core.checksum import CHECKSUM_DTYPE
 from millpond.core.config import BufferConfig
 from millpond.core.draw import COUNT_ARRAYS, strategy_arrays
@@ -21,9 +21,12 @@ def memory_needed(config: BufferConfig, persistent: bool) -> int:
 
 
 def hot_nbytes(config: BufferConfig, persistent: bool) -> int:
-    """The hot tier's bytes: records, seqs and (persistent) checksums."""
+    """The hot tier's bytes: records, seqs and (persistent) checksums and spare slots."""
     per_record = config.schema.record_nbytes + SEQ_DTYPE.itemsize
-    return config.hot_capacity * (per_record + (CHECKSUM_DTYPE.itemsize if persistent else 0))
+    if not persistent:
+        return config.hot_capacity * per_record
+    slots = config.hot_capacity + spare_slots(config.schema, config.total_capacity)
+    return slots * (per_record + CHECKSUM_DTYPE.itemsize)
 
 
 def slot_arrays_for(config: BufferConfig) -> dict[str, str]:

@@ -1,10 +1,14 @@
 """Reopening a persistent buffer's file: its config, its live ranges, and every record checked.
 
-The file's committed counters say which records are live. Each live record
-is checked (its slot's seq and checksum) before anything is served. A
-damaged record stops the reopen with :class:`CorruptFileError`, naming the
-file, the count and the seqs, unless the caller chose to skip damaged
-records: then they become the FIFO's holes, never served.
+The file's metadata and commit slots are checked as it is opened
+(:meth:`.bufferfile.BufferFile.open`), and its committed counters say which
+records are live. Each live record is checked (its slot's seq and checksum)
+before anything is served. A damaged record stops the reopen with
+:class:`CorruptFileError`, naming the file, the count and the seqs, unless
+the caller chose to skip damaged records: then they become the FIFO's holes,
+never served. So does a damaged commit slot of a format 4 file, whose other
+slot may lack the last acknowledged push (format 5 writes every commit to
+both: the other slot is used, and the damage reported in ``notes``).
 """
 
 from __future__ import annotations
@@ -33,10 +37,14 @@ def recover(path: str | os.PathLike, *, sync_every_push: bool = False, skip_corr
         if not file.meta["persistent"]:
             raise CorruptFileError(
                 f"{path} belonged to a non-persistent buffer: its hot records were never in it")
+        state = file.commit_state
+        if state is not None and state.doubt is not None and not skip_corrupt:
+            raise CorruptFileError(f"{file.path}: {state.doubt}; --recover=skip-corrupt serves "
+                                   f"what slot {state.used} commits")
         config = BufferConfig.from_file_meta(file.meta, file.schema)
         assert file.hot_tier is not None
         fifo = Fifo(file.schema, file.hot_tier, file.tier, config.total_capacity, file,
-                    durable=True, sync_every_push=sync_every_push)
+                    durable=True, sync_every_push=sync_every_push, spare=file.spare)
         fifo.pushed, fifo.first, fifo.hot_lo = file.pushed, file.first, file.hot_lo
         bad = fifo.damaged(progress)
         live = fifo.pushed - fifo.first

@@ -8,7 +8,7 @@ decides what lives where.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -24,7 +24,9 @@ SEQ_DTYPE = np.dtype("<u4")
 # The names of the seq and checksum regions in a file (not identifiers, so no field's).
 SEQ_REGION = "#seq"
 CHECKSUM_REGION = "#checksum"
-# Recovery reads records this many bytes at a time.
+# A record checksum function: (columns [k, *shape] in schema order, seqs) -> [k] checksums.
+Checksums = Callable[[Mapping[str, np.ndarray], np.ndarray], np.ndarray]
+# Recovery reads records this many bytes at a time (and a push copies at most this many).
 CHECK_CHUNK_BYTES = 32 << 20
 CHECK_CHUNK_RECORDS = 1 << 16  # and at most this many (progress reports come per chunk)
 
@@ -45,12 +47,14 @@ class Tier:
     """
 
     def __init__(self, capacity: int, columns: dict[str, np.ndarray], seq: np.ndarray,
-                 checksum: np.ndarray | None = None, file: TierFile | None = None):
+                 checksum: np.ndarray | None = None, file: TierFile | None = None,
+                 checksums: Checksums = record_checksums):
         self.capacity = capacity
         self.columns = columns
         self.seq = seq
         self.checksum = checksum
         self.file = file
+        self.checksums = checksums  # the record checksum of the file's format
 
     @classmethod
     def in_memory(cls, schema: Schema, capacity: int) -> "Tier":
@@ -60,13 +64,32 @@ class Tier:
 
     def write(self, start: int, stop: int, batch: Mapping[str, np.ndarray], first_seq: int) -> None:
         """Store records ``start..stop-1`` taken from ``batch`` (row 0 is ``first_seq``)."""
-        for lo, hi in ring_chunks(start, stop, self.capacity):
-            slot, row = lo % self.capacity, lo - first_seq
-            rows = {name: batch[name][row : row + hi - lo] for name in self.columns}
+        for lo, hi in self._pieces(start, stop):
+            slot, row, k = lo % self.capacity, lo - first_seq, hi - lo
+            rows = {name: batch[name][row : row + k] for name in self.columns}
             seqs = np.arange(lo, hi, dtype=np.uint64)
-            # The checksum of the bytes stored: the batch is in the storage dtypes.
-            checksums = record_checksums(rows, seqs) if self.checksum is not None else None
-            self._store(slot, rows, seqs.astype(SEQ_DTYPE), checksums)
+            if self.checksum is None:
+                self._store(slot, rows, seqs.astype(SEQ_DTYPE), None)
+                continue
+            # The checksum of the bytes stored, computed from the stored copy, never
+            # from the batch: the batch may view memory its sender can still change
+            # (a fast-path client's segment), and a stored record must pass its check
+            # whatever it holds. Rows written with pwrite are copied here first.
+            file = self.file
+            direct = {name for name in rows if file is not None and file.direct(name)}
+            rows = {name: np.array(rows[name]) if name in direct else rows[name] for name in rows}
+            self._store(slot, rows, seqs.astype(SEQ_DTYPE), None, direct)
+            stored = {name: rows[name] if name in direct else column[slot : slot + k]
+                      for name, column in self.columns.items()}
+            self.checksum[slot : slot + k] = self.checksums(stored, seqs)
+
+    def _pieces(self, start: int, stop: int) -> Iterator[tuple[int, int]]:
+        """``[start, stop)`` as contiguous runs of slots of at most CHECK_CHUNK_BYTES each."""
+        per_record = sum(column.strides[0] for column in self.columns.values()) or 1
+        step = max(1, CHECK_CHUNK_BYTES // per_record)
+        for lo, hi in ring_chunks(start, stop, self.capacity):
+            for a in range(lo, hi, step):
+                yield a, min(hi, a + step)
 
     def copy_to(self, other: "Tier", start: int, stop: int) -> None:
         """Copy records ``start..stop-1`` (all held here) into ``other``."""
@@ -76,16 +99,17 @@ class Tier:
             checksums = None
             if other.checksum is not None:
                 checksums = (self.checksum[src : src + k] if self.checksum is not None
-                             else record_checksums(rows, np.arange(lo, hi, dtype=np.uint64)))
+                             else other.checksums(rows, np.arange(lo, hi, dtype=np.uint64)))
             other._store(dst, rows, self.seq[src : src + k], checksums)
 
     def _store(self, slot: int, rows: Mapping[str, np.ndarray], seqs: np.ndarray,
-               checksums: np.ndarray | None) -> None:
-        """Write contiguous rows from ``slot`` on: payload, then seq, then checksum."""
-        k = len(seqs)
+               checksums: np.ndarray | None, direct: set[str] | None = None) -> None:
+        """Write contiguous rows from ``slot`` on: payload, then seq, then checksum.
+        ``direct``: the fields written with pwrite (default: as the file says now)."""
+        k, file = len(seqs), self.file
         for name, column in self.columns.items():
-            if self.file is not None and self.file.direct(name):
-                self.file.write_rows(name, slot, rows[name])  # no old page faulted in
+            if file is not None and (name in direct if direct is not None else file.direct(name)):
+                file.write_rows(name, slot, rows[name])  # no old page faulted in
             else:
                 column[slot : slot + k] = rows[name]
         self.seq[slot : slot + k] = seqs
@@ -126,7 +150,8 @@ class Tier:
         the cold tier resident). ``progress(records_checked)`` is called
         after every chunk.
         """
-        per_record = sum(column.strides[0] for column in self.columns.values()) + 6
+        per_record = (sum(column.strides[0] for column in self.columns.values()) + self.seq.itemsize
+                      + (0 if self.checksum is None else self.checksum.itemsize))
         chunk = max(1, min(CHECK_CHUNK_RECORDS, chunk_bytes // per_record))
         bad = []
         for start in range(lo, hi, chunk):
@@ -139,7 +164,7 @@ class Tier:
                 if self.checksum is not None:
                     stored = {name: column[first : first + k]
                               for name, column in self.columns.items()}
-                    wrong |= self.checksum[first : first + k] != record_checksums(stored, seqs)
+                    wrong |= self.checksum[first : first + k] != self.checksums(stored, seqs)
                 bad.append(seqs[wrong])
                 if self.file is not None:
                     self.file.forget(first, first + k)

@@ -1,0 +1,115 @@
+"""A buffer file looked at offline (``millpond inspect FILE``): no daemon, nothing written.
+
+:func:`inspect` opens a file read-only and checks what a reopen checks (the
+header and its checksum, both commit slots, every live record's seq and
+checksum), but reports instead of refusing: what it read, which commit slot
+is used, what is damaged. It never changes the file (the page cache may
+drop what it read).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from millpond.core import bufferfile
+from millpond.core.bufferfile import MAGIC, SLOT_NAMES, BufferFile
+from millpond.core.fifo import Fifo
+from millpond.core.tier import SEQ_DTYPE, Tier
+from millpond.errors import CorruptFileError, InvalidConfigError
+
+HEALTHY, DAMAGED, UNREADABLE = 0, 1, 2  # the exit codes of `millpond inspect`
+
+
+@dataclass
+class Slot:
+    """One commit slot as stored."""
+
+    name: str  # "A" or "B"
+    generation: int
+    pushed: int
+    first: int
+    hot_lo: int
+    sound: bool  # its crc32 matches and its counters are in order
+    used: bool = False  # the one a reopen takes
+
+
+@dataclass
+class Inspection:
+    """What :func:`inspect` found; ``status`` is :data:`HEALTHY`, :data:`DAMAGED` or
+    :data:`UNREADABLE` (``error`` says why)."""
+
+    path: str
+    status: int = HEALTHY
+    error: str | None = None
+    version: int | None = None
+    meta: dict | None = None
+    slots: list[Slot] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # a damaged commit slot, ...
+    pushed: int = 0
+    first: int = 0
+    hot_lo: int = 0
+    checked: int = 0  # live records checked
+    damaged: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # their seqs
+    checksummed: bool = False  # records have checksums (a persistent file), not only seqs
+
+
+def inspect(path: str | os.PathLike, progress: Callable[[int, int], None] | None = None
+            ) -> Inspection:
+    """Look at the buffer file at ``path`` (see the module doc); never raises for a
+    damaged or unreadable file: the result says what is wrong."""
+    path = os.fspath(path)
+    found = Inspection(path)
+    try:
+        file = BufferFile.open(path, readonly=True)
+    except (CorruptFileError, InvalidConfigError) as exc:
+        found.status, found.error = UNREADABLE, str(exc)
+        found.version, found.slots = _raw_look(path)
+        return found
+    try:
+        found.version, found.meta = file.format.version, file.meta
+        state = file.commit_state
+        assert state is not None
+        found.slots = [Slot(name, *counters, sound, used=name == state.used)
+                       for name, (counters, sound) in zip(SLOT_NAMES, state.slots)]
+        found.notes = list(state.notes)
+        found.pushed, found.first, found.hot_lo = file.pushed, file.first, file.hot_lo
+        found.damaged = _check(file, progress)
+        found.checksummed = file.meta["persistent"]
+        found.checked = (file.pushed if found.checksummed else file.hot_lo) - file.first
+        if len(found.damaged) or found.notes:
+            found.status = DAMAGED
+    finally:
+        file.close(delete=False)
+    return found
+
+
+def _check(file: BufferFile, progress: Callable[[int, int], None] | None) -> np.ndarray:
+    """The live seqs of ``file`` that fail their checks (a non-persistent file: its cold
+    records' seqs only; its hot records were never in it)."""
+    hot = file.hot_tier
+    if hot is None:  # a tier that holds nothing: only the cold records are looked at
+        hot = Tier(0, {}, np.empty(0, SEQ_DTYPE))
+    fifo = Fifo(file.schema, hot, file.tier, file.meta["total_capacity"], file, durable=False,
+                spare=file.spare)
+    fifo.pushed, fifo.first, fifo.hot_lo = file.pushed, file.first, file.hot_lo
+    if file.hot_tier is None:
+        fifo.pushed = fifo.hot_lo  # (the hot records: in RAM, never in the file)
+    return fifo.damaged(progress)
+
+
+def _raw_look(path: str) -> tuple[int | None, list[Slot]]:
+    """The format version and commit slots of a file that cannot be opened, if it has them."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(bufferfile.PAGE)
+    except OSError:
+        return None, []
+    if len(raw) < 128 or raw[:8] != MAGIC:
+        return None, []
+    version = int.from_bytes(raw[8:12], "little")
+    return version, [Slot(name, *counters, sound) for name, (counters, sound)
+                     in zip(SLOT_NAMES, bufferfile.read_slots(raw))]
