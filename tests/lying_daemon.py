@@ -39,8 +39,9 @@ def _lying_sample(self: service.ReplayService, buffer: TieredBuffer, batch_size:
     return encode_with_batch(SAMPLE_BATCH_FIELD, columns)
 
 
-def _lying_info(self: operations.Operations, name: str, buffer: Any = None) -> Any:
-    info = _real_info(self, name, buffer)
+def _lying_info(self: operations.Operations, name: str, buffer: Any = None,
+                include_unavailable: bool = False) -> Any:
+    info = _real_info(self, name, buffer, include_unavailable)
     if LIE == "size":
         import dataclasses
 

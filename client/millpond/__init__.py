@@ -33,7 +33,8 @@ _EXPORTS = {
     **dict.fromkeys(("MinSize", "Queue", "RateLimiter", "SampleToInsertRatio"), "core.ratelimit"),
     **dict.fromkeys((
         "AuthenticationError", "PermissionDeniedError",
-        "BufferClosedError", "BufferNotFoundError", "ConfigMismatchError", "CorruptFileError",
+        "BufferClosedError", "BufferDamagedError", "BufferNotFoundError", "ConfigMismatchError",
+        "CorruptFileError",
         "DTypeMismatchError", "DeadlineExceededError", "FieldMismatchError", "FileConflictError",
         "IndexOutOfRangeError", "InternalError", "LimitExceededError",
         "InvalidArgumentError", "InvalidBatchSizeError", "InvalidConfigError",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from millpond.core.checks import is_real
@@ -48,6 +49,17 @@ KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
 # Connections a forked child inherited from its parent (see Client.connection).
 _INHERITED: list = []
+
+
+@dataclass(frozen=True)
+class RepairResult:
+    """What :meth:`Client.repair_buffer` did: the buffer's ``info`` (served again),
+    ``dropped`` records that failed their checks, and whether it was ``repaired`` (False:
+    it was served already; nothing was done)."""
+
+    info: BufferInfo
+    dropped: int
+    repaired: bool
 
 
 class BufferClient:
@@ -206,7 +218,7 @@ class Client(BufferClient):
     def remote_buffer(self, name: str, config: BufferConfig) -> RemoteBuffer:
         """Create ``name`` with ``config`` (or attach to it): the backend of a handle."""
         info, created = self.connection.grpc.create(name, config, self.timeout)
-        return RemoteBuffer(self, name, info.config, owner=created)
+        return RemoteBuffer(self, name, info.checked_config(), owner=created)
 
     def buffer(self, name: str) -> Buffer:
         """Attach to the existing buffer ``name`` (BufferNotFoundError if none).
@@ -214,15 +226,36 @@ class Client(BufferClient):
         The handle's ``close()`` releases it; ``delete()`` deletes the buffer.
         """
         info = self.connection.grpc.info(name, self.timeout)
-        return handle_for(RemoteBuffer(self, name, info.config))
+        return handle_for(RemoteBuffer(self, name, info.checked_config()))
 
     def list_buffers(self) -> list[BufferInfo]:
-        """Info of every buffer on the server."""
+        """Info of every buffer on the server, by name: those served (``info.state`` is
+        ``"ok"``) and those the daemon holds out of service because their file failed at
+        start-up (``state`` "damaged", "unreadable" or "unknown-format", ``reason`` says
+        what; see :meth:`repair_buffer`)."""
         return self.connection.grpc.list(self.timeout)
 
+    def info(self, name: str) -> BufferInfo:
+        """Info of the buffer ``name``, served or held out of service (its ``state`` and
+        ``reason``); BufferNotFoundError if none. (A handle's ``info()`` raises
+        BufferDamagedError for a buffer held out of service.)"""
+        return self.connection.grpc.info(name, self.timeout, include_unavailable=True)
+
     def delete_buffer(self, name: str) -> None:
-        """Delete the buffer ``name`` and its file (BufferNotFoundError if none)."""
+        """Delete the buffer ``name`` and its file (BufferNotFoundError if none); a buffer
+        held out of service too. Needs the admin role."""
         self.connection.grpc.delete(name, self.timeout)
+
+    def repair_buffer(self, name: str, timeout: float | None = None) -> RepairResult:
+        """Serve the buffer ``name`` held out of service again, online: its file is
+        reopened and every record checked; those that fail are dropped and the file
+        rewritten without them (the others keep their order). A buffer served already is
+        left as it is. BufferDamagedError if its file still cannot be used (the message
+        says why and what to do). Needs the admin role; ``timeout``: seconds (default:
+        this client's; a large buffer takes a while to check)."""
+        info, dropped, repaired = self.connection.grpc.repair(
+            name, self.timeout if timeout is None else timeout)
+        return RepairResult(info, dropped, repaired)
 
     def close(self) -> None:
         """Close the connection (buffers stay on the server). Idempotent."""

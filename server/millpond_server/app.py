@@ -206,6 +206,7 @@ async def serve(cfg: ServeConfig) -> int:
         address = _bind_address(cfg.host, port)
         log.info("serving", extra={"kv": {
             "address": address, "data_dir": cfg.data_dir, "buffers": len(registry),
+            "held_out": len(registry.held_list()),
             "max_message_mb": cfg.max_message_mb, "workers": cfg.workers, "sync": cfg.sync,
             "malloc_tuned": malloc_tuned, "shm": "on" if fastpath else off_reason,
         }})
@@ -277,6 +278,10 @@ def _recover_and_declare(registry: Registry, cfg: ServeConfig) -> None:
     for dataset in cfg.datasets:
         registry.add_dataset(dataset.name, dataset.path)
     for spec in cfg.buffers:
+        if registry.held(spec.name) is not None:  # never stops the start: it stays listed
+            log.error("declared buffer held out of service: not created", extra={"kv": {
+                "buffer": spec.name}})
+            continue
         registry.create(spec.name, spec.config)
 
 

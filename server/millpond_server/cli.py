@@ -139,6 +139,8 @@ def format_table(buffers: list[Any]) -> str:
          f"{b.pushed:,}", f"{b.samples:,}", f"{b.samples_per_insert:.2f}",
          f"{b.waiting_inserts + b.waiting_samples:,}", f"{b.record_nbytes:,}",
          _fields_text(b.config))
+        if b.state in ("", "ok") else  # held out of service: its state, the reason below
+        (b.name, *["-"] * (len(header) - 2), f"HELD OUT OF SERVICE ({b.state})")
         for b in buffers
     ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -157,14 +159,20 @@ def cmd_info(address: str, timeout: float) -> int:
     channel, metadata = _channel(address)
     with channel:
         try:
-            reply = replay_pb2_grpc.ReplayStub(channel).List(replay_pb2.ListRequest(),
-                                                              timeout=timeout, metadata=metadata)
+            reply = replay_pb2_grpc.ReplayStub(channel).List(
+                replay_pb2.ListRequest(include_unavailable=True), timeout=timeout,
+                metadata=metadata)
         except grpc.RpcError as exc:
             return _unreachable("info", address, exc)
     if not reply.buffers:
         print(f"no buffers on {address}")
         return 0
     print(format_table(reply.buffers))
+    held = [b for b in reply.buffers if b.state not in ("", "ok")]
+    if held:  # why, and what to do: millpond repair NAME / delete NAME
+        print()
+        for b in held:
+            print(f"{b.name}: held out of service ({b.state}): {b.reason}")
     return 0
 
 

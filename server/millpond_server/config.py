@@ -140,7 +140,9 @@ SERVE_OPTIONS = (
            "when buffer files reach the disk: none, interval (every --sync-interval s), always"),
     Option("sync_interval", _positive_float, 1.0, "seconds between syncs with --sync interval"),
     Option("recover", _recover_policy, "fail",
-           "damaged records at start-up: fail (name them, exit) or skip-corrupt (serve the rest)"),
+           "a buffer with damaged records at start-up: fail (hold it out of service until an "
+           "admin repairs or deletes it) or skip-corrupt (repair it: drop them); the others "
+           "are served either way"),
     Option("shm", _bool, True, "offer the same-host shared-memory fast path (--no-shm: off)"),
     Option("shm_group", _group_ids, None, "groups (names or gids) also allowed on the fast path"),
     Option("shm_max_mb", _positive_int, 8192,

@@ -332,18 +332,29 @@ class ReplayService:
 
     @_rpc
     async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteReply:
+        if self.ops.registry.held(request.name) is not None:  # not served: no owner
+            await self.ops.run(self.ops.delete, request.name)
+            return pb.DeleteReply()
         buffer = self.ops.registry.get(request.name)
         await self.ops.owner(buffer).run(self.ops.delete, request.name)  # parked calls end
         return pb.DeleteReply()
 
     @_rpc
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.BufferInfo:
-        return info_to_proto(await self.ops.run(self.ops.info, request.name))
+        return info_to_proto(await self.ops.run(self.ops.info, request.name, None,
+                                                request.include_unavailable))
 
     @_rpc
     async def List(self, request: pb.ListRequest, context: Context) -> pb.ListReply:
-        infos = await self.ops.run(self.ops.list)
+        infos = await self.ops.run(self.ops.list, request.include_unavailable)
         return pb.ListReply(buffers=[info_to_proto(info) for info in infos])
+
+    # ---- operators ------------------------------------------------------------------------
+
+    @_rpc
+    async def Repair(self, request: pb.RepairRequest, context: Context) -> pb.RepairReply:
+        info, dropped, repaired = await self.ops.run(self.ops.repair, check_name(request.name))
+        return pb.RepairReply(info=info_to_proto(info), dropped=dropped, repaired=repaired)
 
     @_rpc
     async def Negotiate(self, request: pb.NegotiateRequest, context: Context) -> pb.NegotiateReply:

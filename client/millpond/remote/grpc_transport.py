@@ -302,13 +302,18 @@ class GrpcTransport:
         reply = self.invoke(self.stub.Create, request, deadline)
         return self._info(reply.info), reply.created
 
-    def info(self, name: str, deadline: float) -> BufferInfo:
-        return self._info(self.invoke(self.stub.Info, pb.InfoRequest(name=name), deadline))
+    def info(self, name: str, deadline: float, include_unavailable: bool = False) -> BufferInfo:
+        """``name``'s info; a buffer held out of service raises BufferDamagedError, unless
+        ``include_unavailable`` (then its info says its state and reason)."""
+        request = pb.InfoRequest(name=name, include_unavailable=include_unavailable)
+        return self._info(self.invoke(self.stub.Info, request, deadline))
 
     def _info(self, message: pb.BufferInfo) -> BufferInfo:
         """The info in a reply, if its sizes are possible; else ProtocolError (a size
         beyond the capacity would skew every draw over shards)."""
         info = info_from_proto(message)
+        if not info.ok:  # held out of service: no numbers
+            return info
         if not 0 <= info.size <= min(info.total_capacity, info.pushed):
             raise ProtocolError(
                 f"the server at {self.address or '?'} reported buffer {info.name!r} holding "
@@ -316,12 +321,21 @@ class GrpcTransport:
                 f"{info.pushed:,} pushed")
         return info
 
-    def list(self, deadline: float) -> list[BufferInfo]:
-        reply = self.invoke(self.stub.List, pb.ListRequest(), deadline)
+    def list(self, deadline: float, include_unavailable: bool = True) -> list[BufferInfo]:
+        """Every buffer's info; with ``include_unavailable`` those held out of service too."""
+        request = pb.ListRequest(include_unavailable=include_unavailable)
+        reply = self.invoke(self.stub.List, request, deadline)
         return [self._info(info) for info in reply.buffers]
 
     def delete(self, name: str, deadline: float) -> None:
         self.invoke(self.stub.Delete, pb.DeleteRequest(name=name), deadline)
+
+    # ---- operators ----------------------------------------------------------------
+
+    def repair(self, name: str, deadline: float) -> tuple[BufferInfo, int, bool]:
+        """Repair ``name`` (admin): ``(info, records dropped, repaired)``."""
+        reply = self.invoke(self.stub.Repair, pb.RepairRequest(name=name), deadline)
+        return self._info(reply.info), reply.dropped, reply.repaired
 
     def negotiate(self, boot_id: str, deadline: float) -> pb.NegotiateReply:
         return self.invoke(self.stub.Negotiate, pb.NegotiateRequest(boot_id=boot_id), deadline)

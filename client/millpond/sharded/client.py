@@ -25,6 +25,7 @@ seconds) and used again as soon as it says SERVING.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import threading
@@ -225,7 +226,7 @@ class ShardedClient(BufferClient):
         """
         wanted = shard_configs(config, self.shards)
         found = self._infos(name, missing_ok=True)
-        existing = {s: i.config for s, i in found.items() if i is not None}
+        existing = {s: i.checked_config() for s, i in found.items() if i is not None}
         if existing:
             for shard, have in existing.items():
                 differs = same_but_capacities(have, config)
@@ -248,7 +249,7 @@ class ShardedClient(BufferClient):
             missing, lambda s: self.clients[s].connection.grpc.create(name, wanted[s],
                                                                       self.timeout))
         _raise_first(errors)
-        configs = [existing[s] if s in existing else created[s][0].config
+        configs = [existing[s] if s in existing else created[s][0].checked_config()
                    for s in range(self.shards)]
         owner = any(created[s][1] for s in missing)
         return ShardedBuffer(self, name, configs, owner=owner)
@@ -256,7 +257,8 @@ class ShardedClient(BufferClient):
     def buffer(self, name: str) -> Buffer:
         """Attach to ``name`` on every shard (BufferNotFoundError if a shard lacks it)."""
         found = self._infos(name, missing_ok=False)
-        return handle_for(ShardedBuffer(self, name, [found[s].config for s in range(self.shards)]))
+        return handle_for(ShardedBuffer(self, name, [found[s].checked_config()
+                                                     for s in range(self.shards)]))
 
     def _infos(self, name: str, missing_ok: bool) -> dict[int, Any]:
         """Every shard's info of ``name`` (None where missing, if ``missing_ok``)."""
@@ -291,8 +293,17 @@ class ShardedClient(BufferClient):
                 info = next((i for i in lists[s] if i.name == name), None)
                 shards.append(ShardInfo(s, self.addresses[s], info,
                                         None if info else "no such buffer on this shard"))
-            configs = [s.info.config for s in shards if s.info is not None]
-            out.append(aggregate(name, global_config(configs), shards))
+            infos = [s.info for s in shards if s.info is not None]
+            configs = [i.config for i in infos if i.config is not None]
+            whole = global_config(configs) if len(configs) == len(infos) else None
+            info = aggregate(name, whole, shards)
+            unwell = [s for s in shards if s.info is not None and not s.info.ok]
+            if unwell:  # a shard holds its part out of service: so is the whole
+                assert unwell[0].info is not None
+                info = dataclasses.replace(info, state=unwell[0].info.state, reason="; ".join(
+                    f"shard {s.index} ({s.address}): {s.info.reason}"
+                    for s in unwell if s.info is not None))
+            out.append(info)
         return out
 
     def delete_buffer(self, name: str) -> None:
