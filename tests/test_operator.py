@@ -1,10 +1,13 @@
-"""Operating a daemon: every buffer on its own. Against real daemons.
+"""Operating a daemon: every buffer on its own, backups taken while actors push. Against
+real daemons (the engine's snapshots: tests/test_snapshot.py).
 
 * A bad buffer file (unreadable, damaged records, truncated, a garbage header, not a
   millpond file, another format version) used to stop the daemon from starting; now the
   daemon serves every other buffer and holds that one out of service, listed with its
   state and reason, logged, in the metrics; calls on it get BufferDamagedError; an admin
   repairs or deletes it online.
+* ``cp`` of a buffer file while an actor pushed gave a copy that failed its checks; a
+  checkpoint is consistent and checked while actors push, and a daemon serves it.
 """
 
 from __future__ import annotations
@@ -16,17 +19,21 @@ import secrets
 import struct
 import subprocess
 import sys
+import threading
 import urllib.request
+import zlib
 
 import grpc
+import numpy as np
 import pytest
-from support import ServerProcess
+from support import ServerProcess, start_all, wait_until
 from test_durability import CRASH_FIELDS, crash_records, flip_byte, valid
 
 import millpond
 from millpond.remote.buffer import RemoteBuffer
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc as pb_grpc
+from millpond_server.backups import restore
 
 pytestmark = pytest.mark.daemon
 
@@ -251,3 +258,170 @@ def test_skip_corrupt_repairs_damaged_records_at_start(tmp_path):
     with ServerProcess(data) as server:  # rewritten: the default --recover fail serves it
         records = millpond.connect(server.address).buffer("hurt").sample_all()
         assert len(records["seq"]) == 39 and valid(records).all()
+
+
+# ---- B: backups taken while actors push ---------------------------------------------------
+
+WIDE = {"actor": ("int32", ()), "seq": ("int64", ()), "payload": ("uint8", (2048,)),
+        "crc": ("uint32", ())}  # 2 KiB records: a snapshot step copies ~2,000 of them
+
+
+def wide_records(actor: int, start: int, n: int) -> dict[str, np.ndarray]:
+    seqs = np.arange(start, start + n, dtype=np.int64)
+    payload = ((seqs[:, None] * 7 + np.arange(2048) + actor) % 251).astype(np.uint8)
+    crc = np.array([zlib.crc32(struct.pack("<iq", actor, s) + p.tobytes())
+                    for s, p in zip(seqs.tolist(), payload)], np.uint32)
+    return {"actor": np.full(n, actor, np.int32), "seq": seqs, "payload": payload, "crc": crc}
+
+
+def test_a_backup_taken_while_actors_push_is_consistent_and_a_daemon_serves_it(tmp_path):
+    backups = tmp_path / "backups"
+    batch = 100
+    with ServerProcess(tmp_path / "data", "--backup-dir", str(backups)) as server:
+        client = millpond.connect(server.address)
+        client.create_buffer("live", hot_capacity=2_000, total_capacity=10_000, fields=WIDE)
+        acked = {1: 0, 2: 0}
+        stop, errors = threading.Event(), []
+
+        def actor(a: int) -> None:
+            buf = millpond.connect(server.address).buffer("live")
+            try:
+                while not stop.is_set():
+                    buf.push_batch(**wide_records(a, acked[a], batch))
+                    acked[a] += batch  # acknowledged: stored
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=actor, args=(a,)) for a in acked]
+        for thread in threads:
+            thread.start()
+        try:
+            live = client.buffer("live")
+            while live.info().pushed < 12_000:  # full, and evicting as the actors go on
+                threading.Event().wait(0.05)
+            before = dict(acked)
+            seen: list[tuple[int, int]] = []
+            result = client.checkpoint("live", "nightly/live",
+                                       progress=lambda c, t: seen.append((c, t)))
+            after = dict(acked)
+            pushed_meanwhile = live.info().pushed - result.pushed
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        assert not errors, errors  # the actors went on pushing throughout
+    assert result.path == str(backups / "nightly" / "live.buffer")
+    assert result.records + result.dropped == 10_000 and result.records >= 2_000
+    assert result.damaged == 0 and pushed_meanwhile > 0
+    assert seen and all(total == 10_000 for _, total in seen)
+    assert [c for c, _ in seen] == sorted(c for c, _ in seen)
+
+    restore(result.path, tmp_path / "restored")  # offline, every record checked
+    with ServerProcess(tmp_path / "restored") as server:  # --recover fail: it all checks
+        client = millpond.connect(server.address)
+        info = client.info("live")
+        assert (info.state, info.size, info.pushed) == ("ok", result.records, result.pushed)
+        records = client.buffer("live").sample_all()
+    assert valid(records).all()
+    for a in acked:  # each actor's records: one unbroken run, in push order, ending where
+        mine = records["seq"][records["actor"] == a]  # the cut did
+        assert len(mine) and (np.diff(mine) == 1).all()
+        assert before[a] <= mine[-1] + 1 <= after[a] + batch  # everything acked before it
+
+
+def test_checkpoints_stay_inside_the_backup_dir(tmp_path):
+    backups, outside = tmp_path / "backups", tmp_path / "outside"
+    backups.mkdir(mode=0o700)
+    outside.mkdir()
+    (backups / "link").symlink_to(outside)
+    with ServerProcess(tmp_path / "data", "--backup-dir", str(backups)) as server:
+        client = millpond.connect(server.address)
+        client.create_buffer("b", capacity=50, obs_dim=2, act_dim=1).push_batch(
+            np.zeros((20, 2)), np.zeros((20, 2)), np.zeros((20, 1)), np.zeros(20),
+            np.zeros(20), np.zeros(20))
+        for path in ("../escape", str(outside / "x"), "link/x", "a/../../x", ""):
+            with pytest.raises(millpond.InvalidArgumentError):
+                client.checkpoint("b", path)
+        assert os.listdir(outside) == [] and not (tmp_path / "escape.buffer").exists()
+        assert client.checkpoint("b", "deep/er/b").path == str(backups / "deep/er/b.buffer")
+        assert client.checkpoint("b", str(backups / "abs.buffer")).records == 20
+        with pytest.raises(millpond.FileConflictError):
+            client.checkpoint("b", "abs")
+        with pytest.raises(millpond.BufferNotFoundError):
+            client.checkpoint("nope", "x")
+        assert sorted(p.name for p in backups.iterdir()) == ["abs.buffer", "deep", "link"]
+    with ServerProcess(tmp_path / "data") as server:  # no --backup-dir: refused, saying so
+        with pytest.raises(millpond.PermissionDeniedError, match="--backup-dir"):
+            millpond.connect(server.address).checkpoint("b", "x")
+    inside = cli("serve", "--port", "0", "--data-dir", tmp_path / "data",
+                 "--backup-dir", tmp_path / "data" / "backups", timeout=60)
+    assert inside.returncode == 2 and "data directory" in inside.stderr
+
+
+def test_a_cancelled_backup_leaves_no_file_behind(tmp_path):
+    backups = tmp_path / "backups"
+    with ServerProcess(tmp_path / "data", "--backup-dir", str(backups)) as server:
+        client = millpond.connect(server.address)
+        buf = client.create_buffer("b", hot_capacity=500, total_capacity=4_000, fields=WIDE)
+        for start in range(0, 4_000, 500):
+            buf.push_batch(**wide_records(1, start, 500))
+
+        class Interrupted(Exception):
+            pass
+
+        def interrupt(copied: int, total: int) -> None:
+            raise Interrupted  # as a Ctrl-C of `millpond backup` would
+
+        with pytest.raises(Interrupted):
+            client.checkpoint("b", "x", progress=interrupt)
+        wait_until(lambda: not [p for p in backups.rglob("*") if p.is_file()])
+        assert len(buf) == 4_000 and client.checkpoint("b", "x").records == 4_000
+
+
+def test_only_an_admin_may_back_up_or_repair(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"actor {ACTOR}\n")
+    tokens.chmod(0o600)
+    with ServerProcess(tmp_path / "data", "--backup-dir", str(tmp_path / "backups"),
+                       "--token-file", str(tokens), env={"MILLPOND_TOKEN": ADMIN}) as server:
+        admin = millpond.connect(server.address, token=ADMIN)
+        admin.create_buffer("b", capacity=8, obs_dim=2, act_dim=1)
+        actor = millpond.connect(server.address, token=ACTOR)
+        with pytest.raises(millpond.PermissionDeniedError, match="Checkpoint"):
+            actor.checkpoint("b", "x")
+        with pytest.raises(millpond.PermissionDeniedError, match="Repair"):
+            actor.repair_buffer("b")
+        with pytest.raises(millpond.AuthenticationError):
+            millpond.connect(server.address, token=None).checkpoint("b", "x")
+        assert admin.checkpoint("b", "x").records == 0
+        assert not admin.repair_buffer("b").repaired
+
+
+def test_a_sharded_buffer_backs_up_one_file_per_shard(tmp_path):
+    servers = start_all([ServerProcess(tmp_path / f"data{i}", "--backup-dir",
+                                       str(tmp_path / f"backups{i}")) for i in range(2)])
+    try:
+        sharded = millpond.connect([s.address for s in servers])
+        writers = [sharded.create_buffer("s", hot_capacity=20, total_capacity=200,
+                                         fields=CRASH_FIELDS) for _ in range(2)]
+        for i, writer in enumerate(writers):  # each handle writes to its own shard
+            writer.push_batch(**crash_records(i, 0, 30 + 10 * i))
+        seen = []
+        result = sharded.checkpoint("s", "nightly/s", progress=lambda c, t: seen.append(t))
+        assert len(result.shards) == 2 and result.records == 70 and seen[-1] == 70
+        parts = [tmp_path / f"backups{i}" / "nightly" / f"s-shard{i}.buffer" for i in range(2)]
+        assert [part.path for part in result.shards] == [str(p) for p in parts]
+        before = writers[0].sample_all()
+    finally:
+        for server in servers:
+            server.stop()
+    for i, part in enumerate(parts):
+        restore(part, tmp_path / f"restored{i}", "s")
+    servers = start_all([ServerProcess(tmp_path / f"restored{i}") for i in range(2)])
+    try:
+        after = millpond.connect([s.address for s in servers]).buffer("s").sample_all()
+        assert sorted(zip(after["actor"].tolist(), after["seq"].tolist())) == \
+            sorted(zip(before["actor"].tolist(), before["seq"].tolist()))
+    finally:
+        for server in servers:
+            server.stop()

@@ -187,7 +187,7 @@ def test_sampling_state_comes_along(tmp_path):
         for t in range(5):
             episodic.push(np.zeros(2), np.zeros(1), 1.0, t == 4, False, np.zeros(2))
     episodic.push_batch(**transitions(0, 12))  # more episodes, ended by their flags
-    path = episodic.backend.checkpoint(tmp_path / "e-snap").path
+    path = episodic.checkpoint(tmp_path / "e-snap").path
     copy = reopened(path)
     a, b = episodic.backend.episode_catalog(), copy.episode_catalog()
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
@@ -216,3 +216,15 @@ def test_an_episode_that_loses_a_record_is_no_longer_complete(tmp_path):
     assert (np.diff(windows["rewards"], axis=1)[windows["mask"][:, 1:]] == 1).all()
     copy.release()
     survivor.release()
+
+
+def test_the_handles_checkpoint_in_process(tmp_path):
+    buf = millpond.MmapReplayBuffer(10, 100, obs_dim=2, act_dim=1,
+                                    cold_path=tmp_path / "live.buffer")
+    buf.push_batch(*transitions(0, 70).values())
+    result = buf.checkpoint(tmp_path / "copy.buffer")
+    assert result.records == 70
+    again = millpond.MmapReplayBuffer.open(result.path, obs_dim=2, act_dim=1)
+    assert len(again) == 70 and np.array_equal(again.sample_all()["rewards"],
+                                               np.arange(70, dtype=np.float32))
+    again.release()

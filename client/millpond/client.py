@@ -25,13 +25,14 @@ import os
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from millpond.core.checks import is_real
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo
 from millpond.core.ratelimit import RateLimiter
 from millpond.core.schema import Schema
+from millpond.core.snapshot import CheckpointResult
 from millpond.errors import InvalidConfigError
 from millpond.handle.backend import Backend
 from millpond.handle.buffer import Buffer, handle_for
@@ -256,6 +257,23 @@ class Client(BufferClient):
         info, dropped, repaired = self.connection.grpc.repair(
             name, self.timeout if timeout is None else timeout)
         return RepairResult(info, dropped, repaired)
+
+    def checkpoint(self, name: str, path: str | os.PathLike, *,
+                   progress: Callable[[int, int], None] | None = None,
+                   timeout: float | None = None) -> CheckpointResult:
+        """Have the daemon write a consistent copy of the live buffer ``name`` to ``path``
+        while actors keep pushing: a buffer file (``.buffer`` appended if missing) under
+        the daemon's ``--backup-dir``, ``path`` relative to it or absolute inside it.
+
+        The snapshot holds the records acknowledged before the call began that were
+        still live when copied, each checked (see :mod:`millpond.core.snapshot`); a
+        daemon started with it in its data directory serves it (``millpond restore``).
+        ``progress(copied, total)`` hears the copy's progress; ``timeout``: seconds for
+        the whole copy (None: no limit). Needs the admin role; refused by a daemon
+        without ``--backup-dir`` (PermissionDeniedError), and for a path outside it or
+        a file that exists. Pushes this process made through a handle and has not
+        flushed are not in it: use the handle's ``checkpoint``, which flushes first."""
+        return self.connection.grpc.checkpoint(name, os.fspath(path), timeout, progress)
 
     def close(self) -> None:
         """Close the connection (buffers stay on the server). Idempotent."""

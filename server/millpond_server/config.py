@@ -197,6 +197,9 @@ SERVE_OPTIONS = (
            "calls that may wait for rate limiters at once (more are refused)"),
     Option("max_waiting_mb", _positive_int, 1024,
            "request bytes calls waiting for rate limiters may hold, MiB"),
+    Option("backup_dir", Path, None,
+           "directory the daemon writes snapshots of live buffers to (millpond backup, "
+           "Client.checkpoint), created if missing; without it checkpoints are refused"),
 )
 
 
@@ -244,6 +247,7 @@ class ServeConfig:
     connection_idle_s: float = 300.0
     max_waiting_calls: int = 256
     max_waiting_mb: int = 1024
+    backup_dir: Path | None = None  # checkpoints are written under it (None: refused)
     token: str | None = field(default=None, repr=False)  # MILLPOND_TOKEN (admin)
     buffers: list[BufferSpec] = field(default_factory=list)
     datasets: list[DatasetSpec] = field(default_factory=list)  # --dataset and [[datasets]]

@@ -33,6 +33,7 @@ from millpond.core.episodes import EPISODE_COLUMN
 from millpond.errors import InternalError, ReplayError, ServerStartingError, StorageIOError
 
 from .auth import Auth
+from .backups import BackupDir
 from .fatal import fatal_storage_error
 from .owner import BufferOwner
 from .registry import Registry
@@ -57,6 +58,8 @@ class Operations:
         # Told of every call and rate-limiter wait (the metrics), or None: see .metrics.
         self.observer: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None  # set by start()
+        # Where checkpoints go (--backup-dir; the app sets it): none, they are refused.
+        self.backups = BackupDir(None, registry.data_dir)
         self._owners: weakref.WeakKeyDictionary[TieredBuffer, BufferOwner] = \
             weakref.WeakKeyDictionary()
         self._owners_lock = threading.Lock()  # owners are made on the loop and on sessions

@@ -32,10 +32,12 @@ import numpy as np
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo
 from millpond.core.schema import Schema
+from millpond.core.snapshot import CheckpointResult
 from millpond.errors import (
     DeadlineExceededError,
     MessageTooLargeError,
     ProtocolError,
+    ReplayError,
     ServerStartingError,
 )
 from millpond.remote.grpc_streams import ThreadStreams
@@ -336,6 +338,42 @@ class GrpcTransport:
         """Repair ``name`` (admin): ``(info, records dropped, repaired)``."""
         reply = self.invoke(self.stub.Repair, pb.RepairRequest(name=name), deadline)
         return self._info(reply.info), reply.dropped, reply.repaired
+
+    def checkpoint(self, name: str, path: str, deadline: float | None,
+                   progress: Callable[[int, int], None] | None = None) -> CheckpointResult:
+        """Have the daemon write a snapshot of ``name`` to ``path`` under its
+        --backup-dir (admin), ``progress(copied, total)`` told of each progress message;
+        ``deadline``: seconds for the whole copy (None: no limit). Interrupting it (an
+        exception in ``progress``, KeyboardInterrupt) cancels the call: the daemon
+        removes its partial file. A daemon still starting is waited for."""
+        request = pb.CheckpointRequest(name=name, path=path)
+        end = None if deadline is None else time.monotonic() + deadline
+        delay = _RETRY_FIRST
+        while True:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            replies = self.stub.Checkpoint(request, timeout=left, metadata=self.metadata,
+                                           wait_for_ready=True)
+            heard = False
+            try:
+                for reply in replies:
+                    heard = True
+                    if progress is not None:
+                        progress(reply.copied, reply.total)
+                    if reply.done:
+                        return CheckpointResult(reply.path, reply.records, reply.first,
+                                                reply.pushed, reply.dropped, reply.damaged,
+                                                reply.nbytes)
+                raise ProtocolError(f"the server at {self.address or '?'} ended a checkpoint "
+                                    "without saying what it wrote")
+            except grpc.RpcError as exc:
+                error: ReplayError = error_from_rpc(exc)
+                if heard or not isinstance(error, ServerStartingError) or (
+                        end is not None and end - time.monotonic() <= delay):
+                    raise error from None
+            finally:
+                replies.cancel()  # a no-op once ended; else the daemon stops and cleans up
+            time.sleep(delay)
+            delay = min(2 * delay, _RETRY_MAX)
 
     def negotiate(self, boot_id: str, deadline: float) -> pb.NegotiateReply:
         return self.invoke(self.stub.Negotiate, pb.NegotiateRequest(boot_id=boot_id), deadline)

@@ -40,6 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from millpond.client import BufferClient, Client
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo, ShardInfo
+from millpond.core.snapshot import CheckpointResult
 from millpond.errors import (
     BufferNotFoundError,
     ConfigMismatchError,
@@ -305,6 +306,20 @@ class ShardedClient(BufferClient):
                     for s in unwell if s.info is not None))
             out.append(info)
         return out
+
+    def checkpoint(self, name: str, path: str | os.PathLike, *,
+                   progress: Callable[[int, int], None] | None = None,
+                   timeout: float | None = None) -> CheckpointResult:
+        """Every shard's daemon writes a snapshot of its part of ``name``:
+        ``PATH-shardK.buffer`` under its own --backup-dir (see
+        :meth:`millpond.sharded.buffer.ShardedBuffer.checkpoint`)."""
+        handle = self.buffer(name)
+        backend = handle.backend
+        assert isinstance(backend, ShardedBuffer)
+        try:
+            return backend.checkpoint(path, progress=progress, timeout=timeout)
+        finally:
+            handle.release()
 
     def delete_buffer(self, name: str) -> None:
         """Delete ``name`` on every shard (BufferNotFoundError if no shard had it)."""

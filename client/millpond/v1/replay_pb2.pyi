@@ -374,6 +374,38 @@ class ResetReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class CheckpointRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class CheckpointProgress(_message.Message):
+    __slots__ = ("copied", "total", "done", "path", "records", "first", "pushed", "dropped", "damaged", "nbytes")
+    COPIED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DAMAGED_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    copied: int
+    total: int
+    done: bool
+    path: str
+    records: int
+    first: int
+    pushed: int
+    dropped: int
+    damaged: int
+    nbytes: int
+    def __init__(self, copied: _Optional[int] = ..., total: _Optional[int] = ..., done: _Optional[bool] = ..., path: _Optional[str] = ..., records: _Optional[int] = ..., first: _Optional[int] = ..., pushed: _Optional[int] = ..., dropped: _Optional[int] = ..., damaged: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
 class RepairRequest(_message.Message):
     __slots__ = ("name",)
     NAME_FIELD_NUMBER: _ClassVar[int]
