@@ -1,5 +1,5 @@
-"""Operating a daemon: every buffer on its own, backups taken while actors push. Against
-real daemons (the engine's snapshots: tests/test_snapshot.py).
+"""Operating a daemon: every buffer on its own, backups taken while actors push, the
+operator's CLI. Against real daemons (the engine's snapshots: tests/test_snapshot.py).
 
 * A bad buffer file (unreadable, damaged records, truncated, a garbage header, not a
   millpond file, another format version) used to stop the daemon from starting; now the
@@ -8,6 +8,7 @@ real daemons (the engine's snapshots: tests/test_snapshot.py).
   repairs or deletes it online.
 * ``cp`` of a buffer file while an actor pushed gave a copy that failed its checks; a
   checkpoint is consistent and checked while actors push, and a daemon serves it.
+* ``millpond delete|export|backup|repair|restore`` through the real CLI.
 """
 
 from __future__ import annotations
@@ -425,3 +426,77 @@ def test_a_sharded_buffer_backs_up_one_file_per_shard(tmp_path):
     finally:
         for server in servers:
             server.stop()
+
+
+# ---- C: the operator's CLI ----------------------------------------------------------------
+
+def test_the_operators_commands(tmp_path):
+    backups = tmp_path / "backups"
+    env = {"MILLPOND_TOKEN": ADMIN}
+    with ServerProcess(tmp_path / "data", "--backup-dir", str(backups), env=env) as server:
+        address = {"MILLPOND_ADDRESS": server.address}
+        client = millpond.connect(server.address, token=ADMIN)
+        for name in ("keep", "drop"):
+            client.create_buffer(name, hot_capacity=10, total_capacity=100,
+                                 fields=CRASH_FIELDS).push_batch(**crash_records(1, 0, 70))
+
+        refused = cli("delete", "drop", "--address", server.address)  # no token
+        assert refused.returncode == 1 and "MILLPOND_TOKEN" in refused.stderr
+        done = cli("delete", "drop", env={**env, **address})  # the address from the environment
+        assert done.returncode == 0 and done.stdout.strip() == "deleted drop", done.stderr
+        assert [info.name for info in client.list_buffers()] == ["keep"]
+        missing = cli("delete", "drop", env={**env, **address})
+        assert missing.returncode == 1 and "BufferNotFoundError" in missing.stderr
+
+        exported = cli("export", "keep", tmp_path / "keep", "--address", server.address, env=env)
+        assert exported.returncode == 0, exported.stderr
+        with np.load(tmp_path / "keep.npz") as npz:
+            assert npz["seq"].tolist() == list(range(70)) and valid(dict(npz)).all()
+
+        backup = cli("backup", "keep", "nightly/keep", "--address", server.address, env=env)
+        assert backup.returncode == 0, backup.stderr
+        assert "backup keep: 100% (70 of 70 records)" in backup.stderr
+        snapshot = backups / "nightly" / "keep.buffer"
+        assert backup.stdout.startswith(f"wrote {snapshot}: 70 records (seqs 0-69)")
+        outside = cli("backup", "keep", "../x", "--address", server.address, env=env)
+        assert outside.returncode == 1 and "InvalidArgumentError" in outside.stderr
+
+        served = cli("repair", "keep", "--address", server.address, env=env)
+        assert served.returncode == 0 and "served already" in served.stdout
+
+    restored = cli("restore", snapshot, "--data-dir", tmp_path / "second", "--name", "copy")
+    assert restored.returncode == 0, restored.stderr
+    assert "restored copy" in restored.stdout and "70 records" in restored.stdout
+    again = cli("restore", snapshot, "--data-dir", tmp_path / "second", "--name", "copy")
+    assert again.returncode == 1 and "exists" in again.stderr
+    with ServerProcess(tmp_path / "second") as server:
+        records = millpond.connect(server.address).buffer("copy").sample_all()
+        assert records["seq"].tolist() == list(range(70)) and valid(records).all()
+        busy = cli("restore", snapshot, "--data-dir", tmp_path / "second", "--name", "other")
+        assert busy.returncode == 1 and "a daemon is using" in busy.stderr
+    damaged = tmp_path / "damaged.buffer"
+    damaged.write_bytes(snapshot.read_bytes())
+    flip_byte(damaged, "payload", slot=2, hot=False)
+    refused = cli("restore", damaged, "--data-dir", tmp_path / "third")
+    assert refused.returncode == 1 and "fail their checks" in refused.stderr
+    assert not any(p.name.endswith(".buffer") or p.name.endswith(".tmp")
+                   for p in (tmp_path / "third").iterdir())
+
+
+def test_info_shows_a_held_buffer_and_repair_brings_it_back(tmp_path):
+    data = tmp_path / "data"
+    make(data, "hurt", "ok")
+    flip_byte(data / "hurt.buffer", "actor", slot=5, hot=False)
+    with ServerProcess(data) as server:
+        info = cli("info", "--address", server.address)
+        assert info.returncode == 0, info.stderr
+        row = next(line for line in info.stdout.splitlines() if line.startswith("hurt"))
+        assert "HELD OUT OF SERVICE (damaged)" in row
+        assert f"hurt: held out of service (damaged): {data / 'hurt.buffer'}: 1 of 40" in \
+            info.stdout
+        repaired = cli("repair", "hurt", "--address", server.address)
+        assert repaired.returncode == 0, repaired.stderr
+        assert repaired.stdout.strip() == ("repaired hurt: 39 records served, 1 damaged "
+                                           "records dropped")
+        info = cli("info", "--address", server.address)
+        assert "HELD" not in info.stdout and "held out" not in info.stdout

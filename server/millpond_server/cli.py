@@ -1,4 +1,5 @@
-"""The ``millpond`` command: ``serve``, ``info``, ``health``.
+"""The ``millpond`` command: ``serve``, ``info``, ``health``, and the operator's ``delete``,
+``export``, ``backup``, ``repair`` and ``restore`` (:mod:`.operator_cli`).
 
 Exit codes: 0 success; 1 runtime failure (server unreachable, not serving,
 cannot bind); 2 bad usage or configuration (flags, environment, TOML).
@@ -16,6 +17,8 @@ import grpc
 
 from .config import ConfigError, add_serve_arguments, resolve_serve_config
 from .logs import setup_logging
+from .operator_cli import COMMANDS as OPERATOR_COMMANDS
+from .operator_cli import add_operator_commands, run_operator
 
 DEFAULT_PORT = 50051
 CLIENT_TIMEOUT_S = 5.0
@@ -54,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "or 127.0.0.1:50051]")
         p.add_argument("--timeout", type=float, default=CLIENT_TIMEOUT_S,
                        help=f"seconds to wait for the answer (default {CLIENT_TIMEOUT_S})")
+    add_operator_commands(sub)  # delete, export, backup, repair, restore
     return parser
 
 
@@ -61,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return cmd_serve(args)
+    if args.command in OPERATOR_COMMANDS:
+        return run_operator(args, _default_address)
     from millpond.errors import InvalidConfigError
 
     address = args.address or _default_address()
