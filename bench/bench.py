@@ -18,7 +18,8 @@ authentication costs: sample(256) over gRPC with a token and with TLS and a
 token, beside a daemon without either, and one buffer sharded over 1, 2 and 3
 daemons (bench_sharded.py). Episodic and learner-side sections: bench_episodes.py,
 bench_learner.py (epoch_iterator beside a numpy permutation-gather, device="cpu"),
-bench_contention.py (a learner's latency while an actor pushes).
+bench_contention.py (a learner's latency while an actor pushes), bench_backup.py (an
+actor's push throughput while the daemon writes snapshots of its buffer, vs alone).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import larger_than_memory  # noqa: E402
+from bench_backup import section as backup_section  # noqa: E402
 from bench_contention import section as contention_section  # noqa: E402
 from bench_episodes import section as episodes_section  # noqa: E402
 from bench_learner import section as learner_section  # noqa: E402
@@ -445,15 +447,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, short timings")
     parser.add_argument("--seconds", type=float, default=None, help="time per measurement")
-    parser.add_argument("--only", choices=["grpc", "load"], help="only the section 'gRPC "
-                        "beside bare gRPC' or 'Under load' (to compare two source trees: "
-                        "PYTHONPATH=TREE/client:TREE/server)")
+    parser.add_argument("--only", choices=["grpc", "load", "backup"], help="only the section "
+                        "'gRPC beside bare gRPC', 'Under load' or 'Backups' (to compare two "
+                        "source trees: PYTHONPATH=TREE/client:TREE/server)")
     args = parser.parse_args()
     seconds = args.seconds or (0.3 if args.quick else 1.0)
     tmp = Path(tempfile.mkdtemp(prefix="millpond-bench-"))
     print(f"millpond {millpond.__version__} benchmark; numpy {np.__version__}; "
           f"{os.cpu_count()} cores; sample batch {SAMPLE_BATCH}; median of 3 x {seconds}s\n")
     try:
+        if args.only == "backup":
+            backup_section(tmp, workloads(args.quick), seconds, fmt_rate)
+            return
         if args.only is not None:
             with ServerProcess(tmp / "data") as server:
                 if args.only == "grpc":
@@ -472,6 +477,7 @@ def main() -> None:
             episodes_section(server.address, args.quick, seconds, timed_rate)
             learner_section(server.address, args.quick, seconds, timed_rate)
         durability_section(tmp, seconds)
+        backup_section(tmp, workloads(args.quick), seconds, fmt_rate)
         larger_than_memory.section(tmp, args.quick, seconds)
         prioritized_section(tmp, args.quick, seconds)
         auth_section(tmp, seconds)
