@@ -26,7 +26,8 @@ copies each record's as it was when its step ran (as after a crash: see
 docs/operations.md, Durability). An episode that loses a record to a gap is no longer
 complete (its length is cleared); one whose first records were dropped keeps its tail,
 as after eviction. An in-process buffer that is not persistent keeps no raw priorities
-(only its sum tree): its records come back with ``max_priority``.
+(only its sum tree): its records come back with priority 1 (a new buffer's
+``max_priority``).
 
 numpy and the standard library only, like the rest of the engine.
 """
