@@ -19,7 +19,8 @@ token, beside a daemon without either, and one buffer sharded over 1, 2 and 3
 daemons (bench_sharded.py). Episodic and learner-side sections: bench_episodes.py,
 bench_learner.py (epoch_iterator beside a numpy permutation-gather, device="cpu"),
 bench_contention.py (a learner's latency while an actor pushes), bench_integrity.py (the
-record checksum, persistent pushes and recovery: format 5 beside format 4).
+record checksum, persistent pushes and recovery: format 5 beside format 4), bench_backup.py
+(an actor's push throughput while the daemon writes snapshots of its buffer, vs alone).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import larger_than_memory  # noqa: E402
+from bench_backup import section as backup_section  # noqa: E402
 from bench_contention import section as contention_section  # noqa: E402
 from bench_episodes import section as episodes_section  # noqa: E402
 from bench_integrity import section as integrity_section  # noqa: E402
@@ -447,10 +449,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, short timings")
     parser.add_argument("--seconds", type=float, default=None, help="time per measurement")
-    parser.add_argument("--only", choices=["grpc", "load", "integrity"], help="only the section "
-                        "'gRPC beside bare gRPC', 'Under load' (to compare two source trees: "
-                        "PYTHONPATH=TREE/client:TREE/server) or 'Integrity' (format 5's "
-                        "checksum and commit beside format 4's)")
+    parser.add_argument("--only", choices=["grpc", "load", "integrity", "backup"],
+                        help="only the section 'gRPC beside bare gRPC', 'Under load' (to compare "
+                        "two source trees: PYTHONPATH=TREE/client:TREE/server), 'Integrity' "
+                        "(format 5's checksum and commit beside format 4's) or 'Backups'")
     args = parser.parse_args()
     seconds = args.seconds or (0.3 if args.quick else 1.0)
     tmp = Path(tempfile.mkdtemp(prefix="millpond-bench-"))
@@ -459,6 +461,8 @@ def main() -> None:
     try:
         if args.only == "integrity":
             integrity_section(workloads(args.quick), args.quick, seconds, timed_rate)
+        if args.only == "backup":
+            backup_section(tmp, workloads(args.quick), seconds, fmt_rate)
             return
         if args.only is not None:
             with ServerProcess(tmp / "data") as server:
@@ -479,6 +483,7 @@ def main() -> None:
             learner_section(server.address, args.quick, seconds, timed_rate)
         durability_section(tmp, seconds)
         integrity_section(workloads(args.quick), args.quick, seconds, timed_rate)
+        backup_section(tmp, workloads(args.quick), seconds, fmt_rate)
         larger_than_memory.section(tmp, args.quick, seconds)
         prioritized_section(tmp, args.quick, seconds)
         auth_section(tmp, seconds)

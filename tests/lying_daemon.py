@@ -102,8 +102,9 @@ def _lying_update_priorities(self: TieredBuffer, indices: Any, priorities: Any) 
 _real_info = operations.Operations.info
 
 
-def _lying_info(self: operations.Operations, name: str, buffer: Any = None) -> Any:
-    info = _real_info(self, name, buffer)
+def _lying_info(self: operations.Operations, name: str, buffer: Any = None,
+                include_unavailable: bool = False) -> Any:
+    info = _real_info(self, name, buffer, include_unavailable)
     if LIE == "size":
         return dataclasses.replace(info, size=2**62)
     if LIE == "capacity" and buffer is None:  # the Info call (Create and List pass the buffer)

@@ -33,7 +33,8 @@ METHODS = tuple(pb.DESCRIPTOR.services_by_name["Replay"].methods_by_name)
 CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                  grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
                  grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE,
-                 grpc.StatusCode.DEADLINE_EXCEEDED}
+                 grpc.StatusCode.DEADLINE_EXCEEDED,
+                 grpc.StatusCode.PERMISSION_DENIED}  # a Checkpoint: this daemon has no --backup-dir
 
 
 def target(address: str):

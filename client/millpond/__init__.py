@@ -29,10 +29,12 @@ _EXPORTS = {
     "connect": "api",
     "OfflineDatasetBuffer": "offline",
     **dict.fromkeys(("BufferConfig", "BufferInfo", "Field", "Prioritized", "Schema"), "core"),
+    "CheckpointResult": "core.snapshot",
     **dict.fromkeys(("MinSize", "Queue", "RateLimiter", "SampleToInsertRatio"), "core.ratelimit"),
     **dict.fromkeys((
         "AuthenticationError", "PermissionDeniedError",
-        "BufferClosedError", "BufferNotFoundError", "ConfigMismatchError", "CorruptFileError",
+        "BufferClosedError", "BufferDamagedError", "BufferNotFoundError", "ConfigMismatchError",
+        "CorruptFileError",
         "DTypeMismatchError", "DeadlineExceededError", "FieldMismatchError", "FileConflictError",
         "IndexOutOfRangeError", "InternalError", "LimitExceededError",
         "InvalidArgumentError", "InvalidBatchSizeError", "InvalidConfigError",
@@ -75,6 +77,7 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from millpond.client import Client  # noqa: F401
     from millpond.core import BufferConfig, BufferInfo, Field, Prioritized, Schema  # noqa: F401
     from millpond.core.ratelimit import MinSize, Queue, RateLimiter, SampleToInsertRatio  # noqa: F401
+    from millpond.core.snapshot import CheckpointResult  # noqa: F401
     from millpond.errors import *  # noqa: F401,F403
     from millpond.handle.buffer import Buffer, PrioritizedBuffer  # noqa: F401
     from millpond.offline.buffer import OfflineDatasetBuffer  # noqa: F401

@@ -24,13 +24,15 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 from millpond.core.checks import is_real
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo
 from millpond.core.ratelimit import RateLimiter
 from millpond.core.schema import Schema
+from millpond.core.snapshot import CheckpointResult
 from millpond.errors import InvalidConfigError
 from millpond.handle.backend import Backend
 from millpond.handle.buffer import Buffer, handle_for
@@ -48,6 +50,17 @@ KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
 # Connections a forked child inherited from its parent (see Client.connection).
 _INHERITED: list = []
+
+
+@dataclass(frozen=True)
+class RepairResult:
+    """What :meth:`Client.repair_buffer` did: the buffer's ``info`` (served again),
+    ``dropped`` records that failed their checks, and whether it was ``repaired`` (False:
+    it was served already; nothing was done)."""
+
+    info: BufferInfo
+    dropped: int
+    repaired: bool
 
 
 class BufferClient:
@@ -206,7 +219,7 @@ class Client(BufferClient):
     def remote_buffer(self, name: str, config: BufferConfig) -> RemoteBuffer:
         """Create ``name`` with ``config`` (or attach to it): the backend of a handle."""
         info, created = self.connection.grpc.create(name, config, self.timeout)
-        return RemoteBuffer(self, name, info.config, owner=created)
+        return RemoteBuffer(self, name, info.checked_config(), owner=created)
 
     def buffer(self, name: str) -> Buffer:
         """Attach to the existing buffer ``name`` (BufferNotFoundError if none).
@@ -214,15 +227,53 @@ class Client(BufferClient):
         The handle's ``close()`` releases it; ``delete()`` deletes the buffer.
         """
         info = self.connection.grpc.info(name, self.timeout)
-        return handle_for(RemoteBuffer(self, name, info.config))
+        return handle_for(RemoteBuffer(self, name, info.checked_config()))
 
     def list_buffers(self) -> list[BufferInfo]:
-        """Info of every buffer on the server."""
+        """Info of every buffer on the server, by name: those served (``info.state`` is
+        ``"ok"``) and those the daemon holds out of service because their file failed at
+        start-up (``state`` "damaged", "unreadable" or "unknown-format", ``reason`` says
+        what; see :meth:`repair_buffer`)."""
         return self.connection.grpc.list(self.timeout)
 
+    def info(self, name: str) -> BufferInfo:
+        """Info of the buffer ``name``, served or held out of service (its ``state`` and
+        ``reason``); BufferNotFoundError if none. (A handle's ``info()`` raises
+        BufferDamagedError for a buffer held out of service.)"""
+        return self.connection.grpc.info(name, self.timeout, include_unavailable=True)
+
     def delete_buffer(self, name: str) -> None:
-        """Delete the buffer ``name`` and its file (BufferNotFoundError if none)."""
+        """Delete the buffer ``name`` and its file (BufferNotFoundError if none); a buffer
+        held out of service too. Needs the admin role."""
         self.connection.grpc.delete(name, self.timeout)
+
+    def repair_buffer(self, name: str, timeout: float | None = None) -> RepairResult:
+        """Serve the buffer ``name`` held out of service again, online: its file is
+        reopened and every record checked; those that fail are dropped and the file
+        rewritten without them (the others keep their order). A buffer served already is
+        left as it is. BufferDamagedError if its file still cannot be used (the message
+        says why and what to do). Needs the admin role; ``timeout``: seconds (default:
+        this client's; a large buffer takes a while to check)."""
+        info, dropped, repaired = self.connection.grpc.repair(
+            name, self.timeout if timeout is None else timeout)
+        return RepairResult(info, dropped, repaired)
+
+    def checkpoint(self, name: str, path: str | os.PathLike, *,
+                   progress: Callable[[int, int], None] | None = None,
+                   timeout: float | None = None) -> CheckpointResult:
+        """Have the daemon write a consistent copy of the live buffer ``name`` to ``path``
+        while actors keep pushing: a buffer file (``.buffer`` appended if missing) under
+        the daemon's ``--backup-dir``, ``path`` relative to it or absolute inside it.
+
+        The snapshot holds the records acknowledged before the call began that were
+        still live when copied, each checked (see :mod:`millpond.core.snapshot`); a
+        daemon started with it in its data directory serves it (``millpond restore``).
+        ``progress(copied, total)`` hears the copy's progress; ``timeout``: seconds for
+        the whole copy (None: no limit). Needs the admin role; refused by a daemon
+        without ``--backup-dir`` (PermissionDeniedError), and for a path outside it or
+        a file that exists. Pushes this process made through a handle and has not
+        flushed are not in it: use the handle's ``checkpoint``, which flushes first."""
+        return self.connection.grpc.checkpoint(name, os.fspath(path), timeout, progress)
 
     def close(self) -> None:
         """Close the connection (buffers stay on the server). Idempotent."""

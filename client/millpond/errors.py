@@ -82,6 +82,17 @@ class ReadOnlyBufferError(ReplayError, ValueError):
     code = "READ_ONLY"
 
 
+class BufferDamagedError(ReplayError, OSError):
+    """The buffer exists but is held out of service: its file failed its checks at start-up
+    (damaged records or header), cannot be read (permissions, I/O errors) or is not a
+    buffer file this millpond reads. Nothing was done. An admin brings it back with
+    ``millpond repair NAME`` (its intact records served, the others dropped), deletes it
+    (``millpond delete NAME``) or restores it from a backup (``millpond restore``); the
+    message says which applies. gRPC status FAILED_PRECONDITION."""
+
+    code = "BUFFER_DAMAGED"
+
+
 class BufferNotFoundError(ReplayError, KeyError):
     """No buffer of that name exists on the server."""
 

@@ -22,6 +22,7 @@ from millpond.errors import StorageIOError
 from millpond.remote.malloc import tune_malloc_for_large_messages
 
 from .auth import load_auth, reload_tokens, server_credentials
+from .backups import BackupDir
 from .config import ServeConfig
 from .edge import EdgeLimits, Gate
 from .fatal import fatal_storage_error
@@ -158,9 +159,12 @@ async def serve(cfg: ServeConfig) -> int:
     registry = Registry(cfg.data_dir, sync_every_push=cfg.sync == "always",
                         skip_corrupt=cfg.recover == "skip-corrupt", max_buffers=cfg.max_buffers,
                         max_data_bytes=None if cfg.max_data_gb is None else int(cfg.max_data_gb * 1e9))
+    backups = BackupDir(cfg.backup_dir, cfg.data_dir)
+    backups.prepare()  # ConfigError: exit 2
     executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="millpond-engine")
     ops = Operations(registry, executor, auth, max_waiting_calls=cfg.max_waiting_calls,
                      max_waiting_bytes=cfg.max_waiting_mb << 20)
+    ops.backups = backups
     ops.start(asyncio.get_running_loop())
     fastpath, off_reason = start_fastpath(cfg, ops)
     metrics = start_metrics(cfg, registry, ops, fastpath)  # --metrics-port; serving from now
@@ -206,6 +210,7 @@ async def serve(cfg: ServeConfig) -> int:
         address = _bind_address(cfg.host, port)
         log.info("serving", extra={"kv": {
             "address": address, "data_dir": cfg.data_dir, "buffers": len(registry),
+            "held_out": len(registry.held_list()), "backup_dir": cfg.backup_dir,
             "max_message_mb": cfg.max_message_mb, "workers": cfg.workers, "sync": cfg.sync,
             "malloc_tuned": malloc_tuned, "shm": "on" if fastpath else off_reason,
         }})
@@ -277,6 +282,10 @@ def _recover_and_declare(registry: Registry, cfg: ServeConfig) -> None:
     for dataset in cfg.datasets:
         registry.add_dataset(dataset.name, dataset.path)
     for spec in cfg.buffers:
+        if registry.held(spec.name) is not None:  # never stops the start: it stays listed
+            log.error("declared buffer held out of service: not created", extra={"kv": {
+                "buffer": spec.name}})
+            continue
         registry.create(spec.name, spec.config)
 
 

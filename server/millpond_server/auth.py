@@ -15,8 +15,8 @@ records like a queue's samples do, but never the buffer, its config or
 file); an actor also ends its episodes; ``read`` only
 ``Info`` and ``List``. Every role may ``Negotiate``, and ``Create`` when it
 only attaches to an existing buffer of the same config (the operations layer
-enforces that under the registry's lock); creating a new buffer and ``Delete``
-need ``admin``.
+enforces that under the registry's lock); creating a new buffer, ``Delete``, and the
+operators' ``Checkpoint`` and ``Repair`` need ``admin``.
 
 The shared-memory fast path authenticates its ``hello`` with the client's token
 or, with mTLS on, only with a ticket that ``Negotiate`` handed out over the
@@ -73,6 +73,8 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "Info": _ALL,
     "List": _ALL,
     "Negotiate": _ALL,
+    "Checkpoint": frozenset({ADMIN}),  # writes files on the daemon's host (--backup-dir)
+    "Repair": frozenset({ADMIN}),
 }
 # Streams whose every message is a call of their unary method: that method's roles.
 METHOD_ROLES.update({"PushBatchStream": METHOD_ROLES["PushBatch"],

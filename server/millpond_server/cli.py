@@ -1,4 +1,5 @@
-"""The ``millpond`` command: ``serve``, ``info``, ``health``, ``inspect``.
+"""The ``millpond`` command: ``serve``, ``info``, ``health``, ``inspect`` (offline), and the
+operator's ``delete``, ``export``, ``backup``, ``repair`` and ``restore`` (:mod:`.operator_cli`).
 
 Exit codes: 0 success; 1 runtime failure (server unreachable, not serving,
 cannot bind); 2 bad usage or configuration (flags, environment, TOML).
@@ -16,6 +17,8 @@ import grpc
 
 from .config import ConfigError, add_serve_arguments, resolve_serve_config
 from .logs import setup_logging
+from .operator_cli import COMMANDS as OPERATOR_COMMANDS
+from .operator_cli import add_operator_commands, run_operator
 
 DEFAULT_PORT = 50051
 CLIENT_TIMEOUT_S = 5.0
@@ -55,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=CLIENT_TIMEOUT_S,
                        help=f"seconds to wait for the answer (default {CLIENT_TIMEOUT_S})")
     add_inspect_parser(sub)
+    add_operator_commands(sub)  # delete, export, backup, repair, restore
     return parser
 
 
@@ -64,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve(args)
     if args.command == "inspect":
         return cmd_inspect(args)
+    if args.command in OPERATOR_COMMANDS:
+        return run_operator(args, _default_address)
     from millpond.errors import InvalidConfigError
 
     address = args.address or _default_address()
@@ -142,6 +148,8 @@ def format_table(buffers: list[Any]) -> str:
          f"{b.pushed:,}", f"{b.samples:,}", f"{b.samples_per_insert:.2f}",
          f"{b.waiting_inserts + b.waiting_samples:,}", f"{b.record_nbytes:,}",
          _fields_text(b.config))
+        if b.state in ("", "ok") else  # held out of service: its state, the reason below
+        (b.name, *["-"] * (len(header) - 2), f"HELD OUT OF SERVICE ({b.state})")
         for b in buffers
     ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -160,14 +168,20 @@ def cmd_info(address: str, timeout: float) -> int:
     channel, metadata = _channel(address)
     with channel:
         try:
-            reply = replay_pb2_grpc.ReplayStub(channel).List(replay_pb2.ListRequest(),
-                                                              timeout=timeout, metadata=metadata)
+            reply = replay_pb2_grpc.ReplayStub(channel).List(
+                replay_pb2.ListRequest(include_unavailable=True), timeout=timeout,
+                metadata=metadata)
         except grpc.RpcError as exc:
             return _unreachable("info", address, exc)
     if not reply.buffers:
         print(f"no buffers on {address}")
         return 0
     print(format_table(reply.buffers))
+    held = [b for b in reply.buffers if b.state not in ("", "ok")]
+    if held:  # why, and what to do: millpond repair NAME / delete NAME
+        print()
+        for b in held:
+            print(f"{b.name}: held out of service ({b.state}): {b.reason}")
     return 0
 
 

@@ -140,7 +140,9 @@ SERVE_OPTIONS = (
            "when buffer files reach the disk: none, interval (every --sync-interval s), always"),
     Option("sync_interval", _positive_float, 1.0, "seconds between syncs with --sync interval"),
     Option("recover", _recover_policy, "fail",
-           "damaged records at start-up: fail (name them, exit) or skip-corrupt (serve the rest)"),
+           "a buffer with damaged records at start-up: fail (hold it out of service until an "
+           "admin repairs or deletes it) or skip-corrupt (repair it: drop them); the others "
+           "are served either way"),
     Option("shm", _bool, True, "offer the same-host shared-memory fast path (--no-shm: off)"),
     Option("shm_group", _group_ids, None, "groups (names or gids) also allowed on the fast path"),
     Option("shm_max_mb", _positive_int, 8192,
@@ -195,6 +197,9 @@ SERVE_OPTIONS = (
            "calls that may wait for rate limiters at once (more are refused)"),
     Option("max_waiting_mb", _positive_int, 1024,
            "request bytes calls waiting for rate limiters may hold, MiB"),
+    Option("backup_dir", Path, None,
+           "directory the daemon writes snapshots of live buffers to (millpond backup, "
+           "Client.checkpoint), created if missing; without it checkpoints are refused"),
 )
 
 
@@ -242,6 +247,7 @@ class ServeConfig:
     connection_idle_s: float = 300.0
     max_waiting_calls: int = 256
     max_waiting_mb: int = 1024
+    backup_dir: Path | None = None  # checkpoints are written under it (None: refused)
     token: str | None = field(default=None, repr=False)  # MILLPOND_TOKEN (admin)
     buffers: list[BufferSpec] = field(default_factory=list)
     datasets: list[DatasetSpec] = field(default_factory=list)  # --dataset and [[datasets]]

@@ -160,6 +160,12 @@ class _Collector:
                          "buffer: evicted, or taken by a queue or stack (since creation)")
         waiting = family(gauge, "millpond_buffer_waiting_calls", "Calls waiting for the rate "
                          "limiter now", ("buffer", "kind"))
+        damaged = family(gauge, "millpond_buffer_damaged", "1 for each buffer held out of "
+                         "service since start-up, by state (damaged, unreadable, "
+                         "unknown-format): repair or delete it", ("buffer", "state"))
+        left_out = family(gauge, "millpond_buffer_damaged_records", "Live records of a served "
+                          "buffer left out as damaged at recovery (--recover skip-corrupt "
+                          "without room to rewrite it)")
         for name, buffer in self.metrics.registry.list():
             try:
                 info = self.metrics.ops.info(name, buffer)  # with the waits its owner parked
@@ -178,8 +184,11 @@ class _Collector:
             evicted.add_metric([name], info.pushed - info.hot_size - info.cold_size)
             waiting.add_metric([name, "insert"], info.waiting_inserts)
             waiting.add_metric([name, "sample"], info.waiting_samples)
+            left_out.add_metric([name], info.damaged)
+        for held in self.metrics.registry.held_list():
+            damaged.add_metric([held.name, held.state], 1)
         yield from (size, records, capacity, inserts, samples, bytes_in, bytes_out, evicted,
-                    waiting)
+                    waiting, damaged, left_out)
         yield from self._recovery(gauge)
         yield from self._fastpath(gauge)
         yield from self._edge(gauge)

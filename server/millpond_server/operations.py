@@ -33,6 +33,7 @@ from millpond.core.episodes import EPISODE_COLUMN
 from millpond.errors import InternalError, ReplayError, ServerStartingError, StorageIOError
 
 from .auth import Auth
+from .backups import BackupDir
 from .fatal import fatal_storage_error
 from .owner import BufferOwner
 from .registry import Registry
@@ -57,6 +58,8 @@ class Operations:
         # Told of every call and rate-limiter wait (the metrics), or None: see .metrics.
         self.observer: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None  # set by start()
+        # Where checkpoints go (--backup-dir; the app sets it): none, they are refused.
+        self.backups = BackupDir(None, registry.data_dir)
         self._owners: weakref.WeakKeyDictionary[TieredBuffer, BufferOwner] = \
             weakref.WeakKeyDictionary()
         self._owners_lock = threading.Lock()  # owners are made on the loop and on sessions
@@ -117,15 +120,33 @@ class Operations:
     def delete(self, name: str) -> None:
         self.registry.close(name)
 
-    def info(self, name: str, buffer: TieredBuffer | None = None) -> BufferInfo:
-        """The registry's info of ``name`` with the waits its owner parked."""
+    def info(self, name: str, buffer: TieredBuffer | None = None,
+             include_unavailable: bool = False) -> BufferInfo:
+        """The registry's info of ``name`` with the waits its owner parked. A buffer held
+        out of service: its state and reason with ``include_unavailable``, else
+        BufferDamagedError."""
+        if buffer is None and include_unavailable:
+            held = self.registry.held(name)
+            if held is not None:
+                return self.registry.held_info(held)
         buffer = self.registry.get(name) if buffer is None else buffer
         info = self.registry.info(name, buffer)
         owner = self._owners.get(buffer)
         return info if owner is None else owner.with_waits(info)
 
-    def list(self) -> list[BufferInfo]:
-        return [self.info(name, buffer) for name, buffer in self.registry.list()]
+    def list(self, include_unavailable: bool = False) -> list[BufferInfo]:
+        """The buffers served, by name; with ``include_unavailable`` those held out of
+        service too (their state and reason)."""
+        infos = [self.info(name, buffer) for name, buffer in self.registry.list()]
+        if include_unavailable:
+            infos += [self.registry.held_info(held) for held in self.registry.held_list()]
+            infos.sort(key=lambda info: info.name or "")
+        return infos
+
+    def repair(self, name: str) -> tuple[BufferInfo, int, bool]:
+        """Serve a buffer held out of service again (see :meth:`.registry.Registry.repair`):
+        ``(info, records dropped, repaired)``."""
+        return self.registry.repair(name)
 
     def push(self, buffer: TieredBuffer, record: Mapping[str, Any]) -> tuple[int, int]:
         """Store one record now or raise WouldWait; return ``(size, pushed)`` after it."""

@@ -13,22 +13,29 @@ import logging
 import os
 import re
 import stat
+import struct
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 from millpond.core import BufferConfig, BufferInfo, TieredBuffer
+from millpond.core.bufferfile import FORMAT_VERSION, MAGIC, BufferFile
 from millpond.core.dataset import ReadOnlyBuffer
+from millpond.core.fileops import fsync_directory
 from millpond.core.footprint import file_nbytes
 from millpond.errors import (
+    BufferDamagedError,
     BufferNotFoundError,
     ConfigMismatchError,
+    CorruptFileError,
+    FileConflictError,
     InvalidArgumentError,
     InvalidConfigError,
     LimitExceededError,
     PermissionDeniedError,
     ReadOnlyBufferError,
+    StorageFullError,
 )
 
 log = logging.getLogger("millpond.registry")
@@ -54,6 +61,43 @@ class DataDirError(OSError):
 
 class DataDirLockedError(DataDirError):
     """Another daemon already serves this data directory."""
+
+
+# Why a buffer file found at start-up is held out of service (BufferInfo.state).
+DAMAGED, UNREADABLE, UNKNOWN_FORMAT = "damaged", "unreadable", "unknown-format"
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldBuffer:
+    """A buffer whose file failed at start-up (or at a repair): listed, never served.
+
+    ``state``: :data:`DAMAGED`, :data:`UNREADABLE` or :data:`UNKNOWN_FORMAT`;
+    ``reason``: what is wrong, naming the file; ``config``: what its header says, if it
+    could be read."""
+
+    name: str
+    path: Path
+    state: str
+    reason: str
+    config: BufferConfig | None = None
+
+    @property
+    def advice(self) -> str:
+        """What an admin can do about it."""
+        name = self.name
+        restore = f"or restore a backup of it (millpond restore SNAPSHOT --name {name})"
+        if self.state == UNREADABLE:
+            return (f"make the file readable and writable by the daemon, then `millpond repair "
+                    f"{name}`; or `millpond delete {name}` (its records are lost), {restore}")
+        if self.state == UNKNOWN_FORMAT:
+            return (f"serve it with the millpond that wrote it, or `millpond delete {name}` "
+                    f"(its records are lost), {restore}")
+        return (f"`millpond repair {name}` serves the records that pass their checks and drops "
+                f"the others; or `millpond delete {name}`, {restore}")
+
+    def error(self) -> BufferDamagedError:
+        return BufferDamagedError(f"buffer {self.name!r} is held out of service ({self.state}: "
+                                  f"{self.reason}); {self.advice}")
 
 
 class Registry:
@@ -84,6 +128,7 @@ class Registry:
         self.max_buffers = max_buffers
         self.max_data_bytes = max_data_bytes
         self._buffers: dict[str, TieredBuffer] = {}
+        self._held: dict[str, HeldBuffer] = {}  # files found damaged: listed, not served
         # Start-up progress: (buffers recovered, buffer files, records checked, live records)
         # of the buffer being checked (read by the metrics).
         self.recovery = (0, 0, 0, 0)
@@ -99,43 +144,123 @@ class Registry:
         return self.data_dir / f"{check_name(name)}{FILE_SUFFIX}"
 
     def recover(self) -> int:
-        """Reopen every buffer file in the data directory; return how many.
+        """Reopen every buffer file in the data directory; return how many are served.
 
         Logs each buffer before and after, so a long recovery is visibly not
-        a hang. A damaged file stops the start with CorruptFileError naming
-        it. Leftovers of creations a crash interrupted are removed; anything
-        that is not a regular file (a symlink) is left alone, with a warning.
+        a hang. One file never stops the others: a file that cannot be opened
+        (unreadable, not a buffer file of this format, a damaged header, not a
+        regular file) is held out of service, logged as an error with its reason,
+        and so is one with damaged records unless ``skip_corrupt``, which repairs
+        it (:meth:`repair`). Leftovers of creations a crash interrupted are removed.
         """
         for leftover in self.data_dir.glob(f".*{FILE_SUFFIX}.*.tmp"):
             log.warning("removing an unfinished buffer file", extra={"kv": {"file": leftover.name}})
             leftover.unlink(missing_ok=True)
-        paths = []
-        for path in sorted(self.data_dir.glob(f"*{FILE_SUFFIX}")):
-            if stat.S_ISREG(path.lstat().st_mode):
-                paths.append(path)
-            else:
-                log.warning("not a regular file: ignored", extra={"kv": {"file": path.name}})
+        paths = sorted(self.data_dir.glob(f"*{FILE_SUFFIX}"))
         self.recovery = (0, len(paths), 0, 0)
         for i, path in enumerate(paths, 1):
             name = path.name[: -len(FILE_SUFFIX)]
             log.info("recovering buffer", extra={"kv": {
                 "buffer": name, "progress": f"{i}/{len(paths)}",
-                "bytes": path.stat().st_size}})
-            buffer = TieredBuffer.open(path, sync_every_push=self.sync_every_push,
-                                       skip_corrupt=self.skip_corrupt,
-                                       progress=self._progress(i - 1, len(paths), name))
+                "bytes": path.lstat().st_size}})
+            buffer, held = self._reopen(name, path, self._progress(i - 1, len(paths), name))
+            for note in buffer.recovery_notes if buffer is not None else ():
+                log.warning(note, extra={"kv": {"buffer": name}})  # e.g. a damaged commit slot
+            if buffer is not None and (buffer.info().damaged or buffer.recovery_doubt):
+                if self.skip_corrupt:
+                    log.warning("damaged records left out", extra={"kv": {
+                        "buffer": name, "damaged": buffer.info().damaged,
+                        "intact": len(buffer)}})
+                    buffer, held = self._rewrite(name, path, buffer)
+                else:
+                    held = HeldBuffer(name, path, DAMAGED, _damage(path, buffer), buffer.config)
+                    buffer.release()
+                    buffer = None
+            self.recovery = (i, len(paths), 0, 0)
+            if held is not None:
+                self._hold(held)
+                continue
+            assert buffer is not None
             with self._lock:
                 self._buffers[name] = buffer
-            self.recovery = (i, len(paths), 0, 0)
-            for note in buffer.recovery_notes:  # e.g. a damaged commit slot, not relied on
-                log.warning(note, extra={"kv": {"buffer": name}})
-            damaged = buffer.info().damaged
-            if damaged:
-                log.warning("damaged records left out", extra={"kv": {
-                    "buffer": name, "damaged": damaged, "intact": len(buffer)}})
             log.info("buffer recovered", extra={"kv": {
                 "buffer": name, "records": len(buffer), "pushed": buffer.pushed}})
-        return len(paths)
+        return len(self._buffers)
+
+    def _reopen(self, name: str, path: Path, progress: Callable[[int, int], None] | None = None
+                ) -> tuple[TieredBuffer | None, HeldBuffer | None]:
+        """Open the buffer file at ``path``, its damaged records left out (see
+        ``info().damaged``): ``(buffer, None)``; or ``(None, held)`` saying why it cannot
+        be served at all."""
+        held = _probe(name, path)
+        if held is not None:
+            return None, held
+        try:
+            return TieredBuffer.open(path, sync_every_push=self.sync_every_push,
+                                     skip_corrupt=True, progress=progress), None
+        except MemoryError:
+            raise
+        except Exception as exc:  # one file must not stop the daemon: say what it is
+            return None, _held_for(name, path, exc)
+
+    def _hold(self, held: HeldBuffer) -> None:
+        """Keep ``held`` out of service, listed, and say so."""
+        with self._lock:
+            self._held[held.name] = held
+        log.error("buffer held out of service", extra={"kv": {
+            "buffer": held.name, "file": str(held.path), "state": held.state,
+            "reason": held.reason, "fix": held.advice}})
+
+    def _rewrite(self, name: str, path: Path, buffer: TieredBuffer
+                 ) -> tuple[TieredBuffer | None, HeldBuffer | None]:
+        """``buffer`` (opened from ``path``, damaged records left out) written again without
+        them in place of its file (a new file renamed over it), then reopened (see
+        :meth:`_reopen`). Without room for the new file, ``buffer`` is served as it is:
+        its damage is found again at the next start."""
+        dropped = buffer.info().damaged
+        try:
+            result = buffer.snapshot(path, replace=True).run()
+        except StorageFullError as exc:
+            log.warning("no room to rewrite a damaged buffer: served without its damaged "
+                        "records until the next start", extra={"kv": {
+                            "buffer": name, "error": exc}})
+            return buffer, None
+        buffer.release()
+        log.warning("buffer rewritten without its damaged records", extra={"kv": {
+            "buffer": name, "dropped": dropped, "records": result.records}})
+        return self._reopen(name, path)
+
+    def repair(self, name: str) -> tuple[BufferInfo, int, bool]:
+        """Serve the buffer ``name`` held out of service again: its file reopened, its
+        records that fail their checks dropped (the file rewritten without them).
+        ``(info, records dropped, repaired)``; a buffer served already is left as it is
+        (``repaired`` False). BufferDamagedError, still held, if its file still cannot
+        be opened (the reason and what to do in the message)."""
+        check_name(name)
+        with self._name_lock(name):
+            with self._lock:
+                held = self._held.get(name)
+            if held is None:
+                return self.info(name), 0, False
+            log.info("repairing buffer", extra={"kv": {"buffer": name, "file": str(held.path)}})
+            buffer, still = self._reopen(name, held.path, _progress_logger(name))
+            if still is not None:
+                self._hold(still)
+                raise still.error()
+            assert buffer is not None
+            dropped = buffer.info().damaged
+            if dropped:
+                buffer, still = self._rewrite(name, held.path, buffer)
+                if still is not None:
+                    self._hold(still)
+                    raise still.error()
+                assert buffer is not None
+            with self._lock:
+                self._held.pop(name, None)
+                self._buffers[name] = buffer
+        log.warning("buffer served again", extra={"kv": {
+            "buffer": name, "dropped": dropped, "records": len(buffer)}})
+        return self.info(name, buffer), dropped, True
 
     def _progress(self, done: int, total: int, name: str) -> Callable[[int, int], None]:
         """The progress callback of one buffer's recovery: kept for the metrics, logged."""
@@ -161,7 +286,10 @@ class Registry:
         with self._name_lock(name):
             with self._lock:
                 existing = self._buffers.get(name)
-                count = len(self._buffers)
+                held = self._held.get(name)
+                count = len(self._buffers) + len(self._held)
+            if held is not None:
+                raise held.error()
             if existing is not None:
                 if existing.config != config:
                     raise ConfigMismatchError(
@@ -208,7 +336,7 @@ class Registry:
         check_name(name)
         with self._name_lock(name):
             with self._lock:
-                taken = name in self._buffers
+                taken = name in self._buffers or name in self._held
             if taken:
                 raise InvalidConfigError(f"dataset {name!r}: a buffer of that name exists in "
                                          f"the data directory ({self.path(name).name})")
@@ -221,11 +349,33 @@ class Registry:
         return buffer
 
     def get(self, name: str) -> TieredBuffer:
+        """The buffer served as ``name``: BufferNotFoundError if none, BufferDamagedError
+        (with what to do) if it is held out of service."""
         with self._lock:
             buffer = self._buffers.get(name)
+            held = self._held.get(name) if buffer is None else None
+        if held is not None:
+            raise held.error()
         if buffer is None:
             raise BufferNotFoundError(f"no buffer named {name!r}")
         return buffer
+
+    def held(self, name: str) -> HeldBuffer | None:
+        """``name`` if it is held out of service, else None."""
+        with self._lock:
+            return self._held.get(name)
+
+    def held_list(self) -> list[HeldBuffer]:
+        """The buffers held out of service, by name (a snapshot)."""
+        with self._lock:
+            return [held for _, held in sorted(self._held.items())]
+
+    @staticmethod
+    def held_info(held: HeldBuffer) -> BufferInfo:
+        """The info of a buffer held out of service: its state, reason and (if its header
+        could be read) config; no numbers."""
+        return BufferInfo(held.config, name=held.name, path=held.path.name, state=held.state,
+                          reason=held.reason)
 
     def close(self, name: str) -> None:
         """Remove ``name`` and close it: its file is deleted. Calls still using it get
@@ -237,10 +387,27 @@ class Registry:
                     raise ReadOnlyBufferError(f"buffer {name!r} is a dataset the server serves "
                                               "read-only: it cannot be deleted")
                 buffer = self._buffers.pop(name, None)
+                held = self._held.get(name) if buffer is None else None
+            if held is not None:
+                self._delete_held(held)
+                return
             if buffer is None:
                 raise BufferNotFoundError(f"no buffer named {name!r}")
             buffer.close()
         log.info("buffer closed", extra={"kv": {"buffer": name}})
+
+    def _delete_held(self, held: HeldBuffer) -> None:
+        """Remove the file of a buffer held out of service (name lock held)."""
+        try:
+            held.path.unlink(missing_ok=True)  # a link itself, never what it names
+        except (IsADirectoryError, PermissionError) as exc:
+            raise FileConflictError(f"{held.path} cannot be removed ({exc.strerror}); remove "
+                                    "it by hand") from exc
+        fsync_directory(str(self.data_dir))
+        with self._lock:
+            self._held.pop(held.name, None)
+        log.warning("buffer held out of service deleted", extra={"kv": {
+            "buffer": held.name, "file": str(held.path), "state": held.state}})
 
     def info(self, name: str, buffer: TieredBuffer | None = None) -> BufferInfo:
         """``buffer.info()`` (``buffer``: the one named ``name``, looked up if not
@@ -275,6 +442,81 @@ class Registry:
     def __len__(self) -> int:
         with self._lock:
             return len(self._buffers)
+
+
+def _probe(name: str, path: Path) -> HeldBuffer | None:
+    """Why the file at ``path`` cannot be a buffer file to open, if that shows before
+    opening it: not a regular file, not openable for reading and writing, not a millpond
+    file, or another format version. None if it may be one."""
+    try:
+        mode = path.lstat().st_mode
+    except OSError as exc:
+        return HeldBuffer(name, path, UNREADABLE, f"{path}: {exc.strerror}")
+    if not stat.S_ISREG(mode):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+        return HeldBuffer(name, path, UNREADABLE,
+                          f"{path} is {kind}; the daemon never follows links or opens anything "
+                          "but regular files in its data directory")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        return HeldBuffer(name, path, UNREADABLE,
+                          f"{path} cannot be opened for reading and writing: {exc.strerror}")
+    try:
+        head = os.pread(fd, _HEAD.size, 0)
+    except OSError as exc:
+        return HeldBuffer(name, path, UNREADABLE, f"{path} cannot be read: {exc.strerror}")
+    finally:
+        os.close(fd)
+    if len(head) < _HEAD.size or head[:len(MAGIC)] != MAGIC:
+        return HeldBuffer(name, path, UNKNOWN_FORMAT,
+                          f"{path} is not a millpond buffer file ({len(head)} bytes read, "
+                          "no millpond header)" if len(head) < _HEAD.size else
+                          f"{path} is not a millpond buffer file (it does not begin with "
+                          f"{MAGIC!r})")
+    _, version = _HEAD.unpack(head)
+    if version != FORMAT_VERSION:
+        return HeldBuffer(name, path, UNKNOWN_FORMAT,
+                          f"{path} has buffer file format version {version}; this millpond "
+                          f"reads version {FORMAT_VERSION} only")
+    return None
+
+
+_HEAD = struct.Struct("<8sI")  # magic, format version (see millpond.core.bufferfile)
+
+
+def _held_for(name: str, path: Path, exc: Exception) -> HeldBuffer:
+    """The held-out entry for a file whose open raised ``exc``."""
+    if isinstance(exc, OSError) and not isinstance(exc, CorruptFileError):
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        return HeldBuffer(name, path, UNREADABLE, f"{path} cannot be read: {why}")
+    reason = str(exc) if isinstance(exc, CorruptFileError) else (
+        f"{path}: damaged header ({type(exc).__name__}: {exc})")
+    return HeldBuffer(name, path, DAMAGED, reason, _config_of(path))
+
+
+def _config_of(path: Path) -> BufferConfig | None:
+    """The config the header of the file at ``path`` records, if it can be read."""
+    try:
+        file = BufferFile.open(str(path))
+    except Exception:
+        return None
+    try:
+        return BufferConfig.from_file_meta(file.meta, file.schema)
+    except Exception:
+        return None
+    finally:
+        file.close(delete=False)
+
+
+def _damage(path: Path, buffer: TieredBuffer) -> str:
+    """The reason of a buffer opened with damaged records left out (or whose file's
+    commit may lack its last acknowledged push)."""
+    if buffer.recovery_doubt is not None:
+        return f"{path}: {buffer.recovery_doubt}"
+    info, seqs = buffer.info(), buffer.damaged_seqs()
+    return (f"{path}: {info.damaged:,} of {info.hot_size + info.cold_size:,} live records fail "
+            f"their checks (seqs {seqs[:5].tolist()}{'...' if len(seqs) > 5 else ''})")
 
 
 def _check_private(data_dir: Path) -> None:

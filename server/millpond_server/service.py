@@ -24,6 +24,9 @@ megabytes, run on the engine pool.
 
 PushBatchStream and SampleStream carry PushBatch and Sample calls as the
 messages of one stream (:mod:`.streams`); each is served by the same handler.
+
+Checkpoint answers with a stream of progress messages (:func:`_rpc_stream`; the work is
+in :mod:`.backups`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from millpond.wire.inplace import BatchFrame
 from millpond.wire.status import ERROR_CODE_KEY, status_for
 
 from .auth import ADMIN
+from .backups import checkpoint
 from .edge import CALLER_ROLE
 from .operations import Operations
 from .owner import INLINE_BYTES
@@ -72,7 +76,10 @@ REUSED_REPLY_BYTES = 64 << 10  # sample replies up to this size are built in a r
 DECODE_ON_LOOP_BYTES = 64 << 10
 _DESCRIPTORS = pb.DESCRIPTOR.services_by_name["Replay"].methods
 # The unary RPCs, and the streams whose every message is one of them (PushBatchStream: PushBatch).
-_METHODS = tuple(m.name for m in _DESCRIPTORS if not m.client_streaming)
+_METHODS = tuple(m.name for m in _DESCRIPTORS if not m.client_streaming and not m.server_streaming)
+# RPCs of one request answered by a stream of messages (Checkpoint: its progress).
+SERVER_STREAMS = tuple(m.name for m in _DESCRIPTORS
+                       if m.server_streaming and not m.client_streaming)
 STREAMED = {m.name: m.name.removesuffix("Stream") for m in _DESCRIPTORS if m.client_streaming}
 Context: TypeAlias = grpc.aio.ServicerContext  # (grpc has no type stubs)
 # Requests that carry no bulk data are refused beyond this size, unparsed: decoding a
@@ -99,6 +106,31 @@ def _rpc(method: Callable) -> Callable:
             request = parse(raw) if len(raw) <= DECODE_ON_LOOP_BYTES else await self.ops.run(
                 parse, raw)  # decoding a large request would stall every other call
             return await method(self, request, context)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            error = self.ops.classify(exc, name)
+            status, code = status_for(error)
+            await context.abort(status, str(error), trailing_metadata=((ERROR_CODE_KEY, code),))
+
+    return handler
+
+
+def _rpc_stream(method: Callable) -> Callable:
+    """:func:`_rpc` for an RPC answered by a stream: the handler writes its messages with
+    ``context.write``; a failure ends the stream with its status and code."""
+
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def handler(self: "ReplayService", raw: bytes, context: Context) -> None:
+        try:
+            self.ops.check_ready()
+            if len(raw) > CONTROL_REQUEST_BYTES:
+                raise MessageTooLargeError(
+                    f"a {name} request of {len(raw):,} bytes; it may have at most "
+                    f"{CONTROL_REQUEST_BYTES:,}")
+            await method(self, _REQUESTS[name](raw), context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:
@@ -439,18 +471,43 @@ class ReplayService:
 
     @_rpc
     async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteReply:
+        if self.ops.registry.held(request.name) is not None:  # not served: no owner
+            await self.ops.run(self.ops.delete, request.name)
+            return pb.DeleteReply()
         buffer = self.ops.registry.get(request.name)
         await self.ops.owner(buffer).run(self.ops.delete, request.name)  # parked calls end
         return pb.DeleteReply()
 
     @_rpc
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.BufferInfo:
-        return info_to_proto(await self.ops.run(self.ops.info, request.name))
+        return info_to_proto(await self.ops.run(self.ops.info, request.name, None,
+                                                request.include_unavailable))
 
     @_rpc
     async def List(self, request: pb.ListRequest, context: Context) -> pb.ListReply:
-        infos = await self.ops.run(self.ops.list)
+        infos = await self.ops.run(self.ops.list, request.include_unavailable)
         return pb.ListReply(buffers=[info_to_proto(info) for info in infos])
+
+    # ---- operators ------------------------------------------------------------------------
+
+    @_rpc
+    async def Repair(self, request: pb.RepairRequest, context: Context) -> pb.RepairReply:
+        info, dropped, repaired = await self.ops.run(self.ops.repair, check_name(request.name))
+        return pb.RepairReply(info=info_to_proto(info), dropped=dropped, repaired=repaired)
+
+    @_rpc_stream
+    async def Checkpoint(self, request: pb.CheckpointRequest, context: Context) -> None:
+        name = check_name(request.name)
+
+        async def report(copied: int, total: int) -> None:
+            await context.write(pb.CheckpointProgress(copied=copied, total=total))
+
+        result = await checkpoint(self.ops, self.ops.backups, name, request.path, report)
+        cut = result.records + result.dropped
+        await context.write(pb.CheckpointProgress(
+            copied=cut, total=cut, done=True, path=result.path, records=result.records,
+            first=result.first, pushed=result.pushed, dropped=result.dropped,
+            damaged=result.damaged, nbytes=result.nbytes))
 
     @_rpc
     async def Negotiate(self, request: pb.NegotiateRequest, context: Context) -> pb.NegotiateReply:
@@ -482,6 +539,12 @@ def add_to_server(service: ReplayService, server: grpc.aio.Server) -> None:
             response_serializer=_passthrough_or_serialize)
         for name in _METHODS
     }
+    handlers.update({  # answered by a stream of messages (Checkpoint's progress)
+        name: grpc.unary_stream_rpc_method_handler(
+            getattr(service, name), request_deserializer=None,
+            response_serializer=_passthrough_or_serialize)
+        for name in SERVER_STREAMS
+    })
     handlers.update({  # each message of PushBatchStream is a PushBatch call...
         name: grpc.stream_stream_rpc_method_handler(
             functools.partial(service.streams.serve, getattr(service, unary)),

@@ -29,7 +29,7 @@ from millpond.core.checks import (
     check_timeout,
 )
 from millpond.core.config import BufferConfig, ConfigAccessors, check_exponent
-from millpond.core.draw import Proportional, strategy_for
+from millpond.core.draw import Proportional, UseLimit, strategy_for
 from millpond.core.episode_checks import (
     MAX_WINDOW,
     check_fields,
@@ -39,7 +39,7 @@ from millpond.core.episode_checks import (
     check_updates,
     require_episodes,
 )
-from millpond.core.episodes import EpisodeIndex, record_ends
+from millpond.core.episodes import META_PREFIX, EpisodeIndex, record_ends
 from millpond.core.fifo import BeforeCommit, Fifo
 from millpond.core.fileops import sync_fd, temp_path
 from millpond.core.footprint import hot_nbytes, memory_needed, slot_arrays_for
@@ -48,6 +48,7 @@ from millpond.core.memory import available_memory, check_available, memory_limit
 from millpond.core.ratelimit import RateState
 from millpond.core.recovery import recover
 from millpond.core.sequences import Out
+from millpond.core.snapshot import CheckpointResult, Snapshot
 from millpond.core.tier import Tier
 from millpond.errors import (
     BufferClosedError,
@@ -175,6 +176,14 @@ class TieredBuffer(ConfigAccessors):
         return list(state.notes) if state is not None else []
 
     @property
+    def recovery_doubt(self) -> str | None:
+        """Why reopening may have missed the last acknowledged push (a format 4 file with a
+        damaged commit slot), or None."""
+        file = self._fifo.file
+        state = file.commit_state if file is not None else None
+        return state.doubt if state is not None else None
+
+    @property
     def pushed(self) -> int:
         """Records ever pushed, including evicted ones."""
         return self._fifo.pushed
@@ -182,6 +191,12 @@ class TieredBuffer(ConfigAccessors):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def damaged_seqs(self) -> np.ndarray:
+        """The live seqs left out as damaged when the file was reopened (``info().damaged``
+        of them), sorted: never served, gone once evicted."""
+        with self._lock:
+            return self._fifo.holes.copy()
 
     def __len__(self) -> int:
         self._check_open()
@@ -390,6 +405,44 @@ class TieredBuffer(ConfigAccessors):
             self._check_open()
             seqs = self._fifo.live()
             return self._fifo.gather_rows(seqs[self._strategy.drawable(seqs)], names)
+
+    def checkpoint(self, path: str | os.PathLike, *,
+                   progress: Callable[[int, int], None] | None = None) -> CheckpointResult:
+        """Write a consistent copy of this buffer to the new buffer file at ``path``
+        (``.buffer`` appended if missing; never over an existing file) while it goes on.
+
+        The copy holds the records live when the call began that are still live when
+        copied (see :mod:`millpond.core.snapshot` for the guarantee), each checked as it
+        is copied, in steps of a few MiB under the buffer's lock: pushes and samples from
+        other threads go on between them. ``progress(copied, total)`` after each step.
+        A daemon serves the file once in its data directory (``millpond restore``);
+        :meth:`open` reopens it in-process.
+        """
+        return self.snapshot(path).run(progress)
+
+    def snapshot(self, path: str | os.PathLike, *, replace: bool = False) -> Snapshot:
+        """A :class:`~millpond.core.snapshot.Snapshot` of this buffer to ``path``, to run
+        step by step (a daemon runs each step through the buffer's owner)."""
+        self._check_open()
+        return Snapshot(self, path, replace=replace)
+
+    def _slot_state(self) -> dict[str, np.ndarray]:
+        """The per-slot state beside the records, by the names of a file's slot arrays
+        (lock held): a persistent buffer's in its file; otherwise draw counts and episodes
+        in RAM (raw priorities are kept only in a file: RAM holds the sum tree)."""
+        file = self._fifo.file
+        if self.persistent and file is not None:
+            found = {name: file.slot_array(name) for name in slot_arrays_for(self.config)}
+            return {name: array for name, array in found.items() if array is not None}
+        state: dict[str, np.ndarray] = {}
+        if isinstance(self._strategy, UseLimit):
+            state["times_sampled"] = self._strategy.times
+        index = self._episodes
+        if index is not None:
+            state.update(episode=index.episode, step=index.step, next=index.next,
+                         length=index.length)
+            state.update({META_PREFIX + name: column for name, column in index.meta.items()})
+        return state
 
     def reset(self) -> None:
         """Drop every record; keep the config, the file and the handle.

@@ -11,11 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Mapping
 
-from millpond.core.config import BufferConfig, ConfigAccessors
+from millpond.core.config import BufferConfig
+from millpond.core.schema import Schema
+from millpond.errors import BufferDamagedError
+
+# A buffer is served ("ok"), or held out of service for one of these reasons (a daemon
+# that found its file so at start-up): see BufferInfo.state.
+STATES = ("ok", "damaged", "unreadable", "unknown-format")
 
 
 @dataclass(frozen=True, eq=False)
-class BufferInfo(ConfigAccessors, Mapping[str, Any]):
+class BufferInfo(Mapping[str, Any]):
     """A snapshot of one buffer: its config, sizes and counters.
 
     Sizes: ``size`` records can be sampled (live, not damaged, not used up);
@@ -41,13 +47,21 @@ class BufferInfo(ConfigAccessors, Mapping[str, Any]):
     ``total_capacity``, ``record_nbytes``, ``fields``, ``mode``,
     ``max_times_sampled``, ``rate_limiter``, ``prioritized``.
 
+    ``state`` is ``"ok"`` for a buffer that is served. A daemon holds a buffer out of
+    service when its file failed at start-up: ``"damaged"`` (records or header fail
+    their checks), ``"unreadable"`` (permissions, I/O errors) or ``"unknown-format"``
+    (not a millpond buffer file, or another format version); ``reason`` says what and
+    names the file. Such a buffer's numbers are 0, and its ``config`` is None when its
+    file's header could not be read (its settings read None as keys; as attributes they
+    raise :class:`~millpond.errors.BufferDamagedError`).
+
     ``shards`` (an attribute, not a key) is empty except in the info of a
     sharded buffer (:mod:`millpond.sharded.client`): one :class:`ShardInfo` per
     shard, whose sums the other numbers are; ``degraded`` says whether one
     of them did not answer.
     """
 
-    config: BufferConfig
+    config: BufferConfig | None
     name: str | None = None
     path: str | None = None
     beta: float | None = None
@@ -72,7 +86,14 @@ class BufferInfo(ConfigAccessors, Mapping[str, Any]):
     memory_limit: int = 0
     episodes: int = 0
     episodes_in_progress: int = 0
+    state: str = "ok"
+    reason: str = ""
     shards: tuple["ShardInfo", ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Whether the buffer is served (``state == "ok"``)."""
+        return self.state == "ok"
 
     @property
     def degraded(self) -> bool:
@@ -81,35 +102,55 @@ class BufferInfo(ConfigAccessors, Mapping[str, Any]):
 
     # ---- the config's settings, as keys ------------------------------------------
 
+    def checked_config(self) -> BufferConfig:
+        """:attr:`config`, or BufferDamagedError for a buffer held out of service whose
+        file's header could not be read (it has none)."""
+        if self.config is None:
+            raise BufferDamagedError(f"buffer {self.name!r} is held out of service "
+                                     f"({self.state}): {self.reason}")
+        return self.config
+
+    @property
+    def schema(self) -> Schema:
+        return self.checked_config().schema
+
+    @property
+    def hot_capacity(self) -> int:
+        return self.checked_config().hot_capacity
+
+    @property
+    def total_capacity(self) -> int:
+        return self.checked_config().total_capacity
+
     @property
     def record_nbytes(self) -> int:
-        return self.config.schema.record_nbytes
+        return self.checked_config().schema.record_nbytes
 
     @property
     def fields(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        return self.config.schema.spec()
+        return self.checked_config().schema.spec()
 
     @property
     def mode(self) -> str:
-        return self.config.mode
+        return self.checked_config().mode
 
     @property
     def max_times_sampled(self) -> int:
-        return self.config.max_times_sampled or 0
+        return self.checked_config().max_times_sampled or 0
 
     @property
     def rate_limiter(self) -> dict[str, Any] | None:
-        limiter = self.config.rate_limiter
+        limiter = self.checked_config().rate_limiter
         return None if limiter is None else limiter.to_dict()
 
     @property
     def prioritized(self) -> dict[str, float] | None:
-        p = self.config.prioritized
+        p = self.checked_config().prioritized
         return None if p is None else {"alpha": p.alpha, "beta": p.beta}
 
     @property
     def meta_fields(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
-        meta = self.config.meta_fields
+        meta = self.checked_config().meta_fields
         return None if meta is None else meta.spec()
 
     # ---- the mapping -----------------------------------------------------------------
@@ -117,6 +158,8 @@ class BufferInfo(ConfigAccessors, Mapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         if key not in KEYS:
             raise KeyError(key)
+        if self.config is None and key in SETTINGS:  # held out, its header unreadable
+            return None
         return getattr(self, key)
 
     def __iter__(self) -> Iterator[str]:
@@ -146,10 +189,12 @@ class ShardInfo:
 
 # Numbers of prioritized buffers only (None otherwise; optional fields on the wire).
 PRIORITY_STATE = ("beta", "max_priority", "priority_total", "priority_min")
+# Why a buffer is, or is not, served (strings; the wire message has a field of each name).
+HEALTH = ("state", "reason")
 # Numbers that travel as they are (the wire message has a field of each name).
 COUNTERS: tuple[str, ...] = tuple(
     f.name for f in fields(BufferInfo)
-    if f.name not in ("config", "name", "path", "shards", *PRIORITY_STATE))
+    if f.name not in ("config", "name", "path", "shards", *PRIORITY_STATE, *HEALTH))
 SETTINGS = ("hot_capacity", "total_capacity", "record_nbytes", "fields", "mode",
             "max_times_sampled", "rate_limiter", "prioritized", "meta_fields")
-KEYS: tuple[str, ...] = ("name", "path", *COUNTERS, *SETTINGS, *PRIORITY_STATE)
+KEYS: tuple[str, ...] = ("name", "path", *HEALTH, *COUNTERS, *SETTINGS, *PRIORITY_STATE)

@@ -16,12 +16,14 @@ serves untrusted callers with it.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+import os
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo
+from millpond.core.snapshot import CheckpointResult
 
 Columns = dict[str, np.ndarray]
 
@@ -90,6 +92,12 @@ class Backend(Protocol):
     def contents(self, fields: Sequence[str] | None = None) -> Columns:
         """Every record held, oldest first (in-process in one read; remotely in reads of
         at most :meth:`read_chunk` records each)."""
+
+    def checkpoint(self, path: str | os.PathLike, *,
+                   progress: Callable[[int, int], None] | None = None) -> CheckpointResult:
+        """A consistent copy of the buffer as a buffer file: in-process at ``path``;
+        remotely written by the daemon under its --backup-dir; sharded, one file per
+        shard (see :meth:`millpond.handle.buffer.Buffer.checkpoint`)."""
 
     # ---- lifecycle ----------------------------------------------------------------------
 

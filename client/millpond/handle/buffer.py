@@ -28,7 +28,7 @@ import contextlib
 import functools
 import os
 import threading
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -44,6 +44,7 @@ from millpond.core.config import BufferConfig, ConfigAccessors, check_exponent
 from millpond.core.episode_checks import MAX_WINDOW, check_fields, check_filter, check_n_step
 from millpond.core.episodes import check_meta, record_ends
 from millpond.core.info import BufferInfo
+from millpond.core.snapshot import CheckpointResult
 from millpond.errors import FieldMismatchError, InvalidArgumentError
 from millpond.handle.backend import Backend
 from millpond.handle.dataloader import EpisodeLoader
@@ -505,6 +506,24 @@ class Buffer(ConfigAccessors):
         then dropped with the rest; needs the ``learner`` or ``admin`` role.
         """
         self._backend.reset()
+
+    def checkpoint(self, path: str | os.PathLike, *,
+                   progress: Callable[[int, int], None] | None = None) -> CheckpointResult:
+        """Write a consistent copy of the buffer, while others keep pushing, as a buffer
+        file (``.buffer`` appended to ``path`` if missing; an existing file is never
+        replaced): what a daemon serves from its data directory (``millpond restore``),
+        and what :meth:`millpond.MmapReplayBuffer.open` reopens.
+
+        The copy holds the records pushed before the call (this handle's own pushes are
+        flushed first) that are still held when copied, each checked; it is copied a few
+        MiB at a time, so pushes wait for one step at most (see
+        :mod:`millpond.core.snapshot` for the exact guarantee). ``progress(copied,
+        total)`` hears how far it is. In-process the file is written at ``path``
+        directly. On a server the daemon writes it under its ``--backup-dir`` (``path``
+        relative to it, or absolute inside it; admin role). A sharded buffer writes one
+        file per shard, each under its own daemon's ``--backup-dir``:
+        ``PATH-shard0.buffer``, ``PATH-shard1.buffer``, ... (the result's ``shards``)."""
+        return self._backend.checkpoint(path, progress=progress)
 
     def export(self, path: str | os.PathLike) -> str:
         """Write the records, oldest first, to the ``.npz`` at ``path`` (one array per

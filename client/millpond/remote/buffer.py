@@ -13,7 +13,8 @@ Bulk calls go through the connection's transport seam
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+import os
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from millpond.core.episode_checks import (
 )
 from millpond.core.episodes import EPISODE_COLUMN
 from millpond.core.info import BufferInfo
+from millpond.core.snapshot import CheckpointResult
 from millpond.errors import BufferNotFoundError
 from millpond.remote.grpc_transport import FRAMING_BYTES
 from millpond.remote.writes import QueuedWrites
@@ -223,6 +225,16 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
         """Records of ``record_nbytes`` each that one read's reply may carry (the client's
         message limit; the server's may be lower: then it says MessageTooLargeError)."""
         return max(1, (self._client.max_message_bytes - FRAMING_BYTES) // max(1, record_nbytes))
+
+    def checkpoint(self, path: str | os.PathLike, *,
+                   progress: Callable[[int, int], None] | None = None,
+                   timeout: float | None = None) -> CheckpointResult:
+        """Flush this handle's pushes, then have the daemon write a snapshot of the buffer
+        to ``path`` under its --backup-dir (see :meth:`millpond.Client.checkpoint`)."""
+        self._check_open()
+        self.flush()
+        return self._client.connection.grpc.checkpoint(self.name, os.fspath(path), timeout,
+                                                       progress)
 
     def reset(self) -> None:
         """Drop every record on the server, after the pushes queued before (see the

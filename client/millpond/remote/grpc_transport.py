@@ -53,10 +53,12 @@ from millpond.core.sequences import (
     read_specs,
     sequence_specs,
 )
+from millpond.core.snapshot import CheckpointResult
 from millpond.errors import (
     DeadlineExceededError,
     MessageTooLargeError,
     ProtocolError,
+    ReplayError,
     ServerStartingError,
 )
 from millpond.remote import replies
@@ -356,6 +358,8 @@ class GrpcTransport:
         request = pb.CreateRequest(name=name, config=config_to_proto(config))
         reply = self.invoke(self.stub.Create, request, deadline)
         info = self._info(reply.info)
+        if info.config is None:  # (only a held buffer's info lacks one, and Create refuses those)
+            raise replies.refused(self.address, f"Create of buffer {name!r}", "no config")
         if info.config != config:  # made with it, or attached where it is equal
             raise replies.refused(self.address, f"Create of buffer {name!r}", "its config "
                                   + "; ".join(f"{setting}: {has}, asked for {wants}" for
@@ -363,8 +367,11 @@ class GrpcTransport:
                                                   config)))
         return info, reply.created
 
-    def info(self, name: str, deadline: float) -> BufferInfo:
-        return self._info(self.invoke(self.stub.Info, pb.InfoRequest(name=name), deadline))
+    def info(self, name: str, deadline: float, include_unavailable: bool = False) -> BufferInfo:
+        """``name``'s info; a buffer held out of service raises BufferDamagedError, unless
+        ``include_unavailable`` (then its info says its state and reason)."""
+        request = pb.InfoRequest(name=name, include_unavailable=include_unavailable)
+        return self._info(self.invoke(self.stub.Info, request, deadline))
 
     def _info(self, message: pb.BufferInfo) -> BufferInfo:
         """The info in a reply, if its counts are possible; else ProtocolError (a size or
@@ -373,6 +380,8 @@ class GrpcTransport:
         in progress (each has a live record) at most ``total_capacity`` together;
         priority total finite, it and the minimum not negative (nor NaN)."""
         info = info_from_proto(message)
+        if not info.ok:  # held out of service: no numbers
+            return info
         episodes = (info.episodes, info.episodes_in_progress)
         total, least = info.priority_total, info.priority_min
         if not (0 <= info.size <= min(info.total_capacity, info.pushed)
@@ -387,12 +396,57 @@ class GrpcTransport:
                 f"{info.total_capacity:,} and {info.pushed:,} pushed")
         return info
 
-    def list(self, deadline: float) -> list[BufferInfo]:
-        reply = self.invoke(self.stub.List, pb.ListRequest(), deadline)
+    def list(self, deadline: float, include_unavailable: bool = True) -> list[BufferInfo]:
+        """Every buffer's info; with ``include_unavailable`` those held out of service too."""
+        request = pb.ListRequest(include_unavailable=include_unavailable)
+        reply = self.invoke(self.stub.List, request, deadline)
         return [self._info(info) for info in reply.buffers]
 
     def delete(self, name: str, deadline: float) -> None:
         self.invoke(self.stub.Delete, pb.DeleteRequest(name=name), deadline)
+
+    # ---- operators ----------------------------------------------------------------
+
+    def repair(self, name: str, deadline: float) -> tuple[BufferInfo, int, bool]:
+        """Repair ``name`` (admin): ``(info, records dropped, repaired)``."""
+        reply = self.invoke(self.stub.Repair, pb.RepairRequest(name=name), deadline)
+        return self._info(reply.info), reply.dropped, reply.repaired
+
+    def checkpoint(self, name: str, path: str, deadline: float | None,
+                   progress: Callable[[int, int], None] | None = None) -> CheckpointResult:
+        """Have the daemon write a snapshot of ``name`` to ``path`` under its
+        --backup-dir (admin), ``progress(copied, total)`` told of each progress message;
+        ``deadline``: seconds for the whole copy (None: no limit). Interrupting it (an
+        exception in ``progress``, KeyboardInterrupt) cancels the call: the daemon
+        removes its partial file. A daemon still starting is waited for."""
+        request = pb.CheckpointRequest(name=name, path=path)
+        end = None if deadline is None else time.monotonic() + deadline
+        delay = _RETRY_FIRST
+        while True:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            replies = self.stub.Checkpoint(request, timeout=left, metadata=self.metadata,
+                                           wait_for_ready=True)
+            heard = False
+            try:
+                for reply in replies:
+                    heard = True
+                    if progress is not None:
+                        progress(reply.copied, reply.total)
+                    if reply.done:
+                        return CheckpointResult(reply.path, reply.records, reply.first,
+                                                reply.pushed, reply.dropped, reply.damaged,
+                                                reply.nbytes)
+                raise ProtocolError(f"the server at {self.address or '?'} ended a checkpoint "
+                                    "without saying what it wrote")
+            except grpc.RpcError as exc:
+                error: ReplayError = error_from_rpc(exc)
+                if heard or not isinstance(error, ServerStartingError) or (
+                        end is not None and end - time.monotonic() <= delay):
+                    raise error from None
+            finally:
+                replies.cancel()  # a no-op once ended; else the daemon stops and cleans up
+            time.sleep(delay)
+            delay = min(2 * delay, _RETRY_MAX)
 
     def negotiate(self, boot_id: str, deadline: float) -> pb.NegotiateReply:
         return self.invoke(self.stub.Negotiate, pb.NegotiateRequest(boot_id=boot_id), deadline)

@@ -42,6 +42,11 @@ from them on its own. Across shards:
   shard resolves its own positions under its lock, but the shards are not
   read at one instant. ``reset`` empties every shard, and every shard must
   answer.
+* ``checkpoint(PATH)`` has every shard's daemon write its part at once, each under its
+  own ``--backup-dir``: ``PATH-shard0.buffer``, ``PATH-shard1.buffer``, ... Each part is
+  a consistent snapshot of its shard; the parts are cut at nearly, not exactly, the
+  same instant. Every shard must answer. Restore each into its own daemon's data
+  directory (``millpond restore PATH-shardK.buffer --name NAME``).
 * If a handle's shard stops answering mid-episode, the rest of the episode
   goes to the next shard, which stores it as an episode of its own (steps
   from 0); the head stays on the old shard, never ended.
@@ -62,6 +67,7 @@ another shard's records: :meth:`ShardedBuffer._encoded`).
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -69,6 +75,7 @@ import numpy as np
 
 from millpond.core.config import BufferConfig, ConfigAccessors
 from millpond.core.info import BufferInfo, ShardInfo
+from millpond.core.snapshot import SUFFIX, CheckpointResult
 from millpond.errors import (
     BufferNotFoundError,
     IndexOutOfRangeError,
@@ -519,6 +526,40 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
     def read_chunk(self, record_nbytes: int) -> int:
         """Records one read's reply may carry (the smallest of the shards' limits)."""
         return min(remote.read_chunk(record_nbytes) for remote in self.remotes)
+
+    def checkpoint(self, path: str | os.PathLike, *,
+                   progress: Callable[[int, int], None] | None = None,
+                   timeout: float | None = None) -> CheckpointResult:
+        """Every shard's daemon writes a snapshot of its part, in parallel:
+        ``PATH-shardK.buffer`` under its own --backup-dir (see the module docstring).
+        ``progress(copied, total)`` hears the sums; the result sums the shards' counts,
+        ``shards`` has each one's. Every shard must answer (else the first error)."""
+        self._check_open()
+        self.flush()
+        base = os.fspath(path).removesuffix(SUFFIX)
+        seen: dict[int, tuple[int, int]] = {}
+        lock = threading.Lock()
+
+        def shard_progress(shard: int) -> Callable[[int, int], None]:
+            def report(copied: int, total: int) -> None:
+                with lock:
+                    seen[shard] = (copied, total)
+                    done = sum(c for c, _ in seen.values())
+                    whole = sum(t for _, t in seen.values())
+                if progress is not None:
+                    progress(done, whole)
+            return report
+
+        results, errors = self._client.fan_out(
+            list(range(self._client.shards)),
+            lambda s: self.remotes[s].checkpoint(f"{base}-shard{s}{SUFFIX}",
+                                                 progress=shard_progress(s), timeout=timeout))
+        for shard in sorted(errors):
+            raise errors[shard]
+        parts = tuple(results[s] for s in range(self._client.shards))
+        return CheckpointResult(f"{base}-shard*{SUFFIX}", sum(r.records for r in parts), 0, 0,
+                                sum(r.dropped for r in parts), sum(r.damaged for r in parts),
+                                sum(r.nbytes for r in parts), parts)
 
     def reset(self) -> None:
         """Drop every record on every shard (each answers, or this raises; shards that

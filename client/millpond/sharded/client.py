@@ -25,6 +25,7 @@ seconds) and used again as soon as it says SERVING.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import threading
@@ -39,6 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from millpond.client import BufferClient, Client
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo, ShardInfo
+from millpond.core.snapshot import CheckpointResult
 from millpond.errors import (
     BufferNotFoundError,
     ConfigMismatchError,
@@ -229,7 +231,7 @@ class ShardedClient(BufferClient):
         """
         wanted = shard_configs(config, self.shards)
         found = self._infos(name, missing_ok=True)
-        existing = {s: i.config for s, i in found.items() if i is not None}
+        existing = {s: i.checked_config() for s, i in found.items() if i is not None}
         if existing:
             for shard, have in existing.items():
                 differs = same_but_capacities(have, config)
@@ -255,7 +257,7 @@ class ShardedClient(BufferClient):
             missing, lambda s: self.clients[s].connection.grpc.create(name, wanted[s],
                                                                       self.timeout))
         _raise_first(errors)
-        configs = [existing[s] if s in existing else created[s][0].config
+        configs = [existing[s] if s in existing else created[s][0].checked_config()
                    for s in range(self.shards)]
         owner = any(created[s][1] for s in missing)
         return ShardedBuffer(self, name, configs, owner=owner)
@@ -263,7 +265,7 @@ class ShardedClient(BufferClient):
     def buffer(self, name: str) -> Buffer:
         """Attach to ``name`` on every shard (BufferNotFoundError if a shard lacks it)."""
         found = self._infos(name, missing_ok=False)
-        configs = [found[s].config for s in range(self.shards)]
+        configs = [found[s].checked_config() for s in range(self.shards)]
         for shard, config in enumerate(configs[1:], 1):  # one schema: their parts merge
             differs = same_but_capacities(config, configs[0])
             if differs:
@@ -306,9 +308,32 @@ class ShardedClient(BufferClient):
                 info = next((i for i in lists[s] if i.name == name), None)
                 shards.append(ShardInfo(s, self.addresses[s], info,
                                         None if info else "no such buffer on this shard"))
-            configs = [s.info.config for s in shards if s.info is not None]
-            out.append(aggregate(name, global_config(configs), shards))
+            infos = [s.info for s in shards if s.info is not None]
+            configs = [i.config for i in infos if i.config is not None]
+            whole = global_config(configs) if len(configs) == len(infos) else None
+            info = aggregate(name, whole, shards)
+            unwell = [s for s in shards if s.info is not None and not s.info.ok]
+            if unwell:  # a shard holds its part out of service: so is the whole
+                assert unwell[0].info is not None
+                info = dataclasses.replace(info, state=unwell[0].info.state, reason="; ".join(
+                    f"shard {s.index} ({s.address}): {s.info.reason}"
+                    for s in unwell if s.info is not None))
+            out.append(info)
         return out
+
+    def checkpoint(self, name: str, path: str | os.PathLike, *,
+                   progress: Callable[[int, int], None] | None = None,
+                   timeout: float | None = None) -> CheckpointResult:
+        """Every shard's daemon writes a snapshot of its part of ``name``:
+        ``PATH-shardK.buffer`` under its own --backup-dir (see
+        :meth:`millpond.sharded.buffer.ShardedBuffer.checkpoint`)."""
+        handle = self.buffer(name)
+        backend = handle.backend
+        assert isinstance(backend, ShardedBuffer)
+        try:
+            return backend.checkpoint(path, progress=progress, timeout=timeout)
+        finally:
+            handle.release()
 
     def delete_buffer(self, name: str) -> None:
         """Delete ``name`` on every shard (BufferNotFoundError if no shard had it)."""

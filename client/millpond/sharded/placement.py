@@ -184,7 +184,8 @@ def rescale_weights(weights: np.ndarray, shard_min: float | None, global_min: fl
 
 # ---- infos ---------------------------------------------------------------------------------
 
-def aggregate(name: str | None, config: BufferConfig, shards: Sequence[ShardInfo]) -> BufferInfo:
+def aggregate(name: str | None, config: BufferConfig | None, shards: Sequence[ShardInfo]
+              ) -> BufferInfo:
     """One info for the whole buffer: counters summed over the shards that answered,
     ``shards`` the breakdown (see :attr:`BufferInfo.degraded`)."""
     live = [s.info for s in shards if s.info is not None]

@@ -159,13 +159,15 @@ class DeleteReply(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "include_unavailable")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    include_unavailable: bool
+    def __init__(self, name: _Optional[str] = ..., include_unavailable: _Optional[bool] = ...) -> None: ...
 
 class BufferInfo(_message.Message):
-    __slots__ = ("name", "config", "size", "pushed", "hot_size", "cold_size", "record_nbytes", "path", "inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds", "sample_wait_seconds", "samples_per_insert", "waiting_inserts", "waiting_samples", "damaged", "beta", "max_priority", "priority_total", "priority_min", "memory_needed", "memory_limit", "episodes", "episodes_in_progress")
+    __slots__ = ("name", "config", "size", "pushed", "hot_size", "cold_size", "record_nbytes", "path", "inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds", "sample_wait_seconds", "samples_per_insert", "waiting_inserts", "waiting_samples", "damaged", "beta", "max_priority", "priority_total", "priority_min", "memory_needed", "memory_limit", "episodes", "episodes_in_progress", "state", "reason")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +194,8 @@ class BufferInfo(_message.Message):
     MEMORY_LIMIT_FIELD_NUMBER: _ClassVar[int]
     EPISODES_FIELD_NUMBER: _ClassVar[int]
     EPISODES_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     name: str
     config: BufferConfig
     size: int
@@ -218,11 +222,15 @@ class BufferInfo(_message.Message):
     memory_limit: int
     episodes: int
     episodes_in_progress: int
-    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ..., size: _Optional[int] = ..., pushed: _Optional[int] = ..., hot_size: _Optional[int] = ..., cold_size: _Optional[int] = ..., record_nbytes: _Optional[int] = ..., path: _Optional[str] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., insert_waits: _Optional[int] = ..., sample_waits: _Optional[int] = ..., insert_wait_seconds: _Optional[float] = ..., sample_wait_seconds: _Optional[float] = ..., samples_per_insert: _Optional[float] = ..., waiting_inserts: _Optional[int] = ..., waiting_samples: _Optional[int] = ..., damaged: _Optional[int] = ..., beta: _Optional[float] = ..., max_priority: _Optional[float] = ..., priority_total: _Optional[float] = ..., priority_min: _Optional[float] = ..., memory_needed: _Optional[int] = ..., memory_limit: _Optional[int] = ..., episodes: _Optional[int] = ..., episodes_in_progress: _Optional[int] = ...) -> None: ...
+    state: str
+    reason: str
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ..., size: _Optional[int] = ..., pushed: _Optional[int] = ..., hot_size: _Optional[int] = ..., cold_size: _Optional[int] = ..., record_nbytes: _Optional[int] = ..., path: _Optional[str] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., insert_waits: _Optional[int] = ..., sample_waits: _Optional[int] = ..., insert_wait_seconds: _Optional[float] = ..., sample_wait_seconds: _Optional[float] = ..., samples_per_insert: _Optional[float] = ..., waiting_inserts: _Optional[int] = ..., waiting_samples: _Optional[int] = ..., damaged: _Optional[int] = ..., beta: _Optional[float] = ..., max_priority: _Optional[float] = ..., priority_total: _Optional[float] = ..., priority_min: _Optional[float] = ..., memory_needed: _Optional[int] = ..., memory_limit: _Optional[int] = ..., episodes: _Optional[int] = ..., episodes_in_progress: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ListRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("include_unavailable",)
+    INCLUDE_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    include_unavailable: bool
+    def __init__(self, include_unavailable: _Optional[bool] = ...) -> None: ...
 
 class ListReply(_message.Message):
     __slots__ = ("buffers",)
@@ -365,3 +373,51 @@ class ResetRequest(_message.Message):
 class ResetReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class CheckpointProgress(_message.Message):
+    __slots__ = ("copied", "total", "done", "path", "records", "first", "pushed", "dropped", "damaged", "nbytes")
+    COPIED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DAMAGED_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    copied: int
+    total: int
+    done: bool
+    path: str
+    records: int
+    first: int
+    pushed: int
+    dropped: int
+    damaged: int
+    nbytes: int
+    def __init__(self, copied: _Optional[int] = ..., total: _Optional[int] = ..., done: _Optional[bool] = ..., path: _Optional[str] = ..., records: _Optional[int] = ..., first: _Optional[int] = ..., pushed: _Optional[int] = ..., dropped: _Optional[int] = ..., damaged: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class RepairRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RepairReply(_message.Message):
+    __slots__ = ("info", "dropped", "repaired")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REPAIRED_FIELD_NUMBER: _ClassVar[int]
+    info: BufferInfo
+    dropped: int
+    repaired: bool
+    def __init__(self, info: _Optional[_Union[BufferInfo, _Mapping]] = ..., dropped: _Optional[int] = ..., repaired: _Optional[bool] = ...) -> None: ...

@@ -124,6 +124,16 @@ class ReplayStub:
                 request_serializer=millpond_dot_v1_dot_replay__pb2.SampleRequest.SerializeToString,
                 response_deserializer=millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_stream(
+                '/millpond.v1.Replay/Checkpoint',
+                request_serializer=millpond_dot_v1_dot_replay__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=millpond_dot_v1_dot_replay__pb2.CheckpointProgress.FromString,
+                _registered_method=True)
+        self.Repair = channel.unary_unary(
+                '/millpond.v1.Replay/Repair',
+                request_serializer=millpond_dot_v1_dot_replay__pb2.RepairRequest.SerializeToString,
+                response_deserializer=millpond_dot_v1_dot_replay__pb2.RepairReply.FromString,
+                _registered_method=True)
 
 
 class ReplayServicer:
@@ -160,7 +170,7 @@ class ReplayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Delete the buffer and its file.
+        """Delete the buffer and its file (a buffer held out of service too).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -259,6 +269,24 @@ class ReplayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Admin: a consistent copy of a live buffer, written by the daemon as a buffer file
+        under its --backup-dir while pushes go on: progress messages as it copies, then one
+        with done set (see CheckpointProgress). Cancelling the call removes the partial file.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Repair(self, request, context):
+        """Admin: bring a buffer held out of service (BufferInfo.state not "ok") back: the
+        records that pass their checks are served, the others dropped, its file rewritten.
+        A buffer already served is left as it is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -351,6 +379,16 @@ def add_ReplayServicer_to_server(servicer, server):
                     servicer.SampleStream,
                     request_deserializer=millpond_dot_v1_dot_replay__pb2.SampleRequest.FromString,
                     response_serializer=millpond_dot_v1_dot_replay__pb2.SampleReply.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=millpond_dot_v1_dot_replay__pb2.CheckpointRequest.FromString,
+                    response_serializer=millpond_dot_v1_dot_replay__pb2.CheckpointProgress.SerializeToString,
+            ),
+            'Repair': grpc.unary_unary_rpc_method_handler(
+                    servicer.Repair,
+                    request_deserializer=millpond_dot_v1_dot_replay__pb2.RepairRequest.FromString,
+                    response_serializer=millpond_dot_v1_dot_replay__pb2.RepairReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -839,6 +877,60 @@ class Replay:
             '/millpond.v1.Replay/SampleStream',
             millpond_dot_v1_dot_replay__pb2.SampleRequest.SerializeToString,
             millpond_dot_v1_dot_replay__pb2.SampleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/millpond.v1.Replay/Checkpoint',
+            millpond_dot_v1_dot_replay__pb2.CheckpointRequest.SerializeToString,
+            millpond_dot_v1_dot_replay__pb2.CheckpointProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Repair(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/millpond.v1.Replay/Repair',
+            millpond_dot_v1_dot_replay__pb2.RepairRequest.SerializeToString,
+            millpond_dot_v1_dot_replay__pb2.RepairReply.FromString,
             options,
             channel_credentials,
             insecure,

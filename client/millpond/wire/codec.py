@@ -121,10 +121,14 @@ def config_from_proto(message: pb.BufferConfig) -> BufferConfig:
 
 
 def info_to_proto(info: BufferInfo) -> pb.BufferInfo:
-    """A :class:`BufferInfo` as the protocol's message (every counter by name)."""
-    message = pb.BufferInfo(name=info.name or "", config=config_to_proto(info.config),
-                            path=info.path or "", record_nbytes=info.record_nbytes,
+    """A :class:`BufferInfo` as the protocol's message (every counter by name). A buffer
+    held out of service without a config (its file's header unreadable) has none."""
+    message = pb.BufferInfo(name=info.name or "", path=info.path or "",
+                            state=info.state, reason=info.reason,
                             **{key: info[key] for key in COUNTERS})
+    if info.config is not None:
+        message.config.CopyFrom(config_to_proto(info.config))
+        message.record_nbytes = info.record_nbytes
     for key in PRIORITY_STATE:
         if info[key] is not None:
             setattr(message, key, info[key])
@@ -132,9 +136,13 @@ def info_to_proto(info: BufferInfo) -> pb.BufferInfo:
 
 
 def info_from_proto(message: pb.BufferInfo) -> BufferInfo:
-    config = config_from_proto(message.config)
-    state: dict[str, Any] = {key: getattr(message, key) if message.HasField(key) else None
-                             for key in PRIORITY_STATE}
+    """The :class:`BufferInfo` a message describes. A buffer held out of service (state
+    not "ok"; "" from a server that predates states is "ok") may come without a config."""
+    health = message.state or "ok"
+    config = (None if health != "ok" and not message.config.fields
+              else config_from_proto(message.config))
+    priority: dict[str, Any] = {key: getattr(message, key) if message.HasField(key) else None
+                                for key in PRIORITY_STATE}
     counters: dict[str, Any] = {key: getattr(message, key) for key in COUNTERS}
     return BufferInfo(config, name=message.name or None, path=message.path or None,
-                      **state, **counters)
+                      **priority, **counters, state=health, reason=message.reason)

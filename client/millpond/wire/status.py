@@ -20,6 +20,7 @@ STATUS_BY_ERROR: dict[type[e.ReplayError], grpc.StatusCode] = {
     e.NotEnoughDataError: grpc.StatusCode.FAILED_PRECONDITION,
     e.BufferClosedError: grpc.StatusCode.FAILED_PRECONDITION,
     e.ReadOnlyBufferError: grpc.StatusCode.FAILED_PRECONDITION,
+    e.BufferDamagedError: grpc.StatusCode.FAILED_PRECONDITION,
     e.BufferNotFoundError: grpc.StatusCode.NOT_FOUND,
     e.ConfigMismatchError: grpc.StatusCode.ALREADY_EXISTS,
     e.FileConflictError: grpc.StatusCode.ALREADY_EXISTS,
