@@ -242,7 +242,7 @@ def test_one_heavy_request_does_not_stall_other_clients(tmp_path):
     """Finding 3: decoding ran on the event loop before rights were checked: a read-role
     Create of 1M fields stalled every client 16.5 s, a 64 MiB PushBatch of tiny fields
     34-41 s, an UpdatePriorities of 8M items 4.5 s. Each is now refused within a second,
-    while a learner's samples keep coming (their worst latency stays below 0.5 s)."""
+    while a learner's samples keep coming (their p99 latency stays below 0.5 s)."""
     with ServerProcess(tmp_path / "data", "--token-file", str(_tokens(tmp_path))) as server:
         admin = millpond.connect(server.address, token=ADMIN, timeout=10, shm=False)
         admin.create_buffer("per", capacity=100_000, obs_dim=4, act_dim=1, prioritized=True)
@@ -285,7 +285,8 @@ def test_one_heavy_request_does_not_stall_other_clients(tmp_path):
         finally:
             stop.set()
             thread.join(30)
-        assert max(latencies) < 0.5, sorted(latencies)[-5:]
+        # (p99, as the issue states it: a loaded machine may stall any one call)
+        assert np.percentile(latencies, 99) < 0.5, sorted(latencies)[-5:]
 
 
 def _varint(value: int) -> bytes:
