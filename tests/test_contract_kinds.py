@@ -1,10 +1,12 @@
-"""Every buffer kind on every transport: in-process, gRPC and shared memory.
+"""Every buffer kind on every transport: in-process, gRPC and shared memory, and the
+asyncio client (millpond.aio, over gRPC).
 
-Each test builds the same kind of buffer three ways, runs the same calls on
+Each test builds the same kind of buffer four ways, runs the same calls on
 each (seeded samples, bad input, ``timeout=`` values 0, negative, small and
 None, priorities) and checks that every call has the same outcome (the same
 arrays, or the same exception type) and that the buffers end in the same
-state. Threads sharing one client are checked on every transport too.
+state. Threads sharing one client are checked on every transport too (for
+"aio", threads whose calls go on at once on one event loop: tests/aio_sync.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from aio_sync import SyncBuffer
 from support import run_everywhere
 
 import millpond
@@ -31,6 +34,8 @@ KINDS = {
     "max_times_sampled": dict(hot_capacity=4, total_capacity=12, max_times_sampled=2),
 }
 TRANSPORTS = ("local", "grpc", "shm")
+# The transports of the tests of threads sharing a client: these, and the asyncio client.
+THREADED = (*TRANSPORTS, "aio")
 SMALL = 0.05  # seconds: a timeout short enough to expire in a test
 _names = itertools.count()
 
@@ -54,11 +59,12 @@ def local_buffer(tmp_path, spec: dict):
 
 
 @pytest.fixture
-def three(shared_server, tmp_path):
-    """three(kind) -> {transport: buffer}, all of that kind, empty."""
+def three(shared_server, aio_loop, tmp_path):
+    """three(kind) -> {transport: buffer}, all of that kind, empty: "local", "grpc", "shm"
+    and (unless ``aio=False``) "aio", millpond.aio's handle driven from sync code."""
     made = []
 
-    def factory(kind: str, **client_options) -> dict:
+    def factory(kind: str, aio: bool = True, **client_options) -> dict:
         spec = KINDS[kind]
         name = f"kinds-{kind}-{next(_names)}"
         bufs = {"local": local_buffer(tmp_path, spec)}
@@ -66,6 +72,10 @@ def three(shared_server, tmp_path):
             client = millpond.connect(shared_server.address, shm=transport == "shm", **client_options)
             assert client.transport == transport
             bufs[transport] = client.create_buffer(f"{name}-{transport}", fields=FIELDS, **spec)
+        if aio:
+            client = aio_loop.connect(shared_server.address)
+            bufs["aio"] = SyncBuffer(aio_loop, aio_loop.run(client.create_buffer(
+                f"{name}-aio", fields=FIELDS, **spec)), own_client=True)
         made.extend(bufs.values())
         return bufs
 
@@ -163,7 +173,7 @@ def test_calls_that_must_wait_time_out_the_same_way(three, kind):
         assert info["waiting_inserts"] == info["waiting_samples"] == 0
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", THREADED)
 def test_a_waiting_call_proceeds_when_another_thread_unblocks_it(three, transport):
     """timeout=None (remote: the client's timeout) waits for a push from another thread."""
     buf = three("queue")[transport]
@@ -181,7 +191,7 @@ def test_a_waiting_call_proceeds_when_another_thread_unblocks_it(three, transpor
     assert got["batch"]["id"].tolist() == [0, 1] and len(buf) == 0
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", THREADED)
 def test_one_client_shared_by_an_actor_thread_and_a_waiting_learner(three, transport):
     """An actor pushes and a learner samples through one client at once; the learner
     keeps waiting on the rate limiter, and neither blocks the other."""
@@ -218,7 +228,7 @@ def test_one_client_shared_by_an_actor_thread_and_a_waiting_learner(three, trans
     assert info["sample_waits"] + info["insert_waits"] > 0  # they really did wait on each other
 
 
-@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("transport", ["grpc", "shm", "aio"])
 def test_many_threads_share_one_client(three, transport):
     buf = three("tiered")[transport]
     buf.push_batch(**records(0, 12))
