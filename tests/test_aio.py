@@ -88,6 +88,8 @@ def test_connect_create_attach_list_and_delete(shared_server):
         await client.close()
 
     run(main())
+    client = asyncio.run(aio.connect(shared_server.address))  # a coroutine, as asyncio wants
+    assert isinstance(client, aio.AsyncClient)
 
 
 def _parameters(function) -> list:
@@ -308,7 +310,8 @@ def test_a_server_that_is_never_reached_is_a_deadline_saying_so():
 
 def test_errors_are_typed_and_leave_the_buffer_as_it_was(shared_server):
     async def main():
-        async with aio.connect(shared_server.address, max_message_mb=1) as client:
+        # (shm=False: over shared memory a push is not bound by the message limit)
+        async with aio.connect(shared_server.address, max_message_mb=1, shm=False) as client:
             buf = await client.create_buffer(name("errors"), capacity=100_000, fields=FIELDS)
             await buf.push_batch(**records(0, 4))
             with pytest.raises(millpond.ConfigMismatchError):
@@ -493,3 +496,60 @@ def test_episodic_samples_are_the_sync_clients(shared_server):
 
     run(main())
     buf.close()
+
+
+# ---- the fast path ---------------------------------------------------------------------------
+
+
+def test_large_calls_that_cannot_wait_move_through_shared_memory(shared_server):
+    """On the server's host: samples, pushes and reads of more than 64 KiB of a buffer
+    without a rate limiter take the fast path (on the client's threads), with the
+    results of gRPC; small calls, and those that may wait, stay on the channel."""
+    big = {"id": ("int64", ()), "obs": ("float32", (1024,))}  # 4 KB: sample(64) is 256 KB
+
+    async def main():
+        async with aio.connect(shared_server.address) as fast, \
+                aio.connect(shared_server.address, shm=False) as slow:
+            assert fast.transport == "grpc" and "not negotiated" in fast.shm_reason
+            buf = await fast.create_buffer(name("fast"), capacity=1000, fields=big)
+            await buf.push_batch(**records(0, 300, big))
+            assert fast.transport == "shm" and buf.transport == "shm"
+            other = await slow.buffer(buf.name)
+            for call in (lambda b: b.sample(64, seed=1), lambda b: b.sample(4, seed=2),
+                         lambda b: b.sample_all(), lambda b: b.sample_by_index([5, 0, 9])):
+                mine, theirs = await call(buf), await call(other)
+                assert list(mine) == list(theirs)
+                for key in theirs:
+                    np.testing.assert_array_equal(mine[key], theirs[key])
+                    assert mine[key].dtype == theirs[key].dtype and mine[key].flags.writeable
+            calls = fast.calls
+            assert calls["shm", "push_batch"] == 1 and calls["shm", "sample"] == 1
+            assert calls["shm", "read"] == 1  # sample_all
+            assert calls["grpc", "sample"] == calls["grpc", "read"] == 1  # the small ones
+            assert slow.transport == "grpc" and not any(t == "shm" for t, _ in slow.calls)
+            limited = await fast.create_buffer(name("fast-limited"), capacity=1000, fields=big,
+                                               rate_limiter=millpond.MinSize(10))
+            await limited.push_batch(**records(0, 100, big))
+            await limited.sample(64)  # may wait: on the channel, where it can be withdrawn
+            assert fast.calls["grpc", "sample"] == 2 and fast.calls["grpc", "push_batch"] == 1
+            await asyncio.gather(*(buf.sample(64) for _ in range(8)))  # on the threads at once
+            assert fast.calls["shm", "sample"] == 9
+            await buf.close()
+            await limited.close()
+
+    run(main())
+
+
+@pytest.mark.daemon
+def test_shared_memory_required_but_not_offered_is_refused_at_connect(tmp_path):
+    with ServerProcess(tmp_path / "data", "--no-shm") as server:
+        async def main():
+            with pytest.raises(millpond.SharedMemoryError, match="required"):
+                await aio.connect(server.address, shm=True)
+            async with aio.connect(server.address) as client:  # "auto": gRPC, and why
+                buf = await client.create_buffer("no-shm", capacity=100, fields=LARGE)
+                await buf.push_batch(**records(0, 4, LARGE))
+                assert client.transport == "grpc" and client.shm_reason
+                assert client.calls["grpc", "push_batch"] == 1
+
+        run(main())

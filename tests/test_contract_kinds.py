@@ -40,13 +40,13 @@ SMALL = 0.05  # seconds: a timeout short enough to expire in a test
 _names = itertools.count()
 
 
-def records(start: int, n: int) -> dict[str, np.ndarray]:
+def records(start: int, n: int, width: int = 3) -> dict[str, np.ndarray]:
     """Self-describing records: obs is derived from id."""
     ids = np.arange(start, start + n)
-    return {"id": ids, "obs": np.repeat(ids[:, None] * 0.5, 3, axis=1).astype(np.float32)}
+    return {"id": ids, "obs": np.repeat(ids[:, None] * 0.5, width, axis=1).astype(np.float32)}
 
 
-def local_buffer(tmp_path, spec: dict):
+def local_buffer(tmp_path, spec: dict, fields: dict = FIELDS):
     """The in-process buffer for ``spec``, through the public constructors."""
     spec = dict(spec)
     hot = spec.pop("hot_capacity", spec.get("capacity"))
@@ -54,8 +54,8 @@ def local_buffer(tmp_path, spec: dict):
     path = tmp_path / f"local-{next(_names)}.buffer"
     if spec.pop("prioritized", False):
         return millpond.PrioritizedReplayBuffer(hot_capacity=hot, total_capacity=total,
-                                                cold_path=path, fields=FIELDS, **spec)
-    return millpond.MmapReplayBuffer(hot, total, cold_path=path, fields=FIELDS, **spec)
+                                                cold_path=path, fields=fields, **spec)
+    return millpond.MmapReplayBuffer(hot, total, cold_path=path, fields=fields, **spec)
 
 
 @pytest.fixture
@@ -150,6 +150,43 @@ def common_calls(kind: str) -> list:
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_behaves_the_same_on_every_transport(three, kind):
     run_everywhere(three(kind), common_calls(kind))
+
+
+# 8 KB records: a call of 8 or more moves over 64 KiB, which millpond.aio sends through
+# shared memory (on its threads) when the buffer cannot make it wait, else over gRPC.
+LARGE = {"id": ("int64", ()), "obs": ("float32", (2048,))}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_large_calls_have_the_same_outcomes_on_every_kind(shared_server, aio_loop, tmp_path,
+                                                          kind):
+    spec, name = KINDS[kind], f"kinds-large-{kind}-{next(_names)}"
+    bufs = {"local": local_buffer(tmp_path, spec, LARGE),
+            "shm": millpond.connect(shared_server.address, shm=True).create_buffer(
+                f"{name}-shm", fields=LARGE, **spec)}
+    client = aio_loop.connect(shared_server.address)
+    bufs["aio"] = SyncBuffer(aio_loop, aio_loop.run(client.create_buffer(
+        f"{name}-aio", fields=LARGE, **spec)), own_client=True)
+    big = lambda start, n: records(start, n, 2048)  # noqa: E731
+    calls = [lambda b: b.push_batch(**big(0, 6), timeout=0),  # (timeout=0: only try)
+             lambda b: b.push_batch(**big(6, 4), timeout=0),
+             lambda b: b.sample(9, seed=1, timeout=0),
+             lambda b: b.sample_all(),
+             lambda b: b.sample_by_index(np.arange(len(b))[::-1]),
+             lambda b: b.push_batch(**big(20, 10), timeout=0),
+             lambda b: b.sample(100, timeout=0),
+             lambda b: b.sample(9, seed=2, timeout=SMALL),
+             lambda b: (len(b), b.sample_all(fields=["id"]))]
+    if kind == "prioritized":
+        calls.append(lambda b: b.update_priorities(b.sample(9, seed=3)["indices"], np.ones(9)))
+    try:
+        run_everywhere(bufs, calls)
+        transports = {transport for transport, _ in client.calls.elements()}
+        assert transports == ({"grpc"} if "rate_limiter" in spec or "mode" in spec
+                              else {"grpc", "shm"}), client.calls  # (queues, stacks: limited)
+    finally:
+        for buf in bufs.values():
+            buf.close()
 
 
 @pytest.mark.parametrize("kind", ["rate_limited", "queue", "stack"])

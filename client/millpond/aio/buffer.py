@@ -36,6 +36,7 @@ from millpond.handle.buffer import (
 )
 from millpond.handle.devices import check_device, to_device
 from millpond.remote.buffer import Contents, read_chunk
+from millpond.remote.grpc_transport import STREAMED_MAX_BYTES
 from millpond.remote.writes import checked_push, checked_record
 
 if TYPE_CHECKING:
@@ -72,8 +73,8 @@ class AsyncBuffer(ConfigAccessors):
 
     @property
     def transport(self) -> str:
-        """"grpc": millpond.aio moves its data over gRPC only."""
-        return "grpc"
+        """How this handle's large calls move their data: the client's ``transport``."""
+        return self._client.transport
 
     @property
     def closed(self) -> bool:
@@ -125,8 +126,21 @@ class AsyncBuffer(ConfigAccessors):
         if priorities is not None and not len(priorities):
             priorities = None  # no priorities and an empty list are the same push
         wait, deadline = budget(timeout, self._client.timeout, self._may_wait)
-        await self._client.grpc.push_batch(self.name, self.schema, n, batch, priorities, wait,
-                                           deadline, self.config.total_capacity)
+        await self._bulk("push_batch", n * self.schema.record_nbytes, self._may_wait,
+                         self.name, self.schema, n, batch, priorities, wait, deadline, None,
+                         self.config.total_capacity)
+
+    async def _bulk(self, op: str, nbytes: int, may_wait: bool, *args: Any) -> Any:
+        """Bulk call ``op`` (a :class:`~millpond.remote.connection.Transport` method) of
+        ``nbytes``: through shared memory, on a thread, if it is large and cannot wait and
+        the client has the fast path (see :func:`millpond.aio.connect`); else a coroutine
+        on the client's channel."""
+        client = self._client
+        if nbytes > STREAMED_MAX_BYTES and not may_wait and client.shm is not False:
+            connection = await client.fast_path()
+            if connection is not None:
+                return await client.on_thread(connection.call, op, *args)
+        return await getattr(client.counted(op), op)(*args)
 
     async def reset(self) -> None:
         """Drop every record; keep the buffer (see :meth:`millpond.Buffer.reset`)."""
@@ -153,14 +167,15 @@ class AsyncBuffer(ConfigAccessors):
                                 filter_meta)
         self._check_open()
         wait, deadline = budget(call.timeout, self._client.timeout, self._may_wait)
+        nbytes = call.batch_size * self.schema.record_nbytes
         if call.n_step is not None:
             params = {"n_step": call.n_step, "gamma": call.gamma, "seed": call.seed}
-            return await self._client.grpc.sample_n_step(
-                self.name, self.config, call.batch_size, call.filter_meta, params, wait,
-                deadline)
-        return await self._client.grpc.sample(
-            self.name, self.schema, call.batch_size, call.seed,
-            self.config.prioritized is not None, wait, deadline, call.filter_meta)
+            return await self._bulk("sample_n_step", nbytes, self._may_wait, self.name,
+                                    self.config, call.batch_size, call.filter_meta, params,
+                                    wait, deadline)
+        return await self._bulk("sample", nbytes, self._may_wait, self.name, self.schema,
+                                call.batch_size, call.seed, self.config.prioritized is not None,
+                                wait, deadline, call.filter_meta)
 
     def samples(self, batch_size: int, prefetch: int = 2, seed: int | None = None,
                 max_batches: int | None = None, device: Any = None, *,
@@ -190,9 +205,11 @@ class AsyncBuffer(ConfigAccessors):
         call = sequence_arguments(self.config, batch_size, seq_len, seed, filter_meta, timeout)
         self._check_open()
         wait, deadline = budget(call.timeout, self._client.timeout, self._may_wait)
-        return to_device(await self._client.grpc.sample_sequences(
-            self.name, self.config, call.batch_size, call.filter_meta,
-            {"seq_len": call.seq_len, "seed": call.seed}, wait, deadline), device)
+        nbytes = call.batch_size * call.seq_len * self.schema.record_nbytes
+        return to_device(await self._bulk(
+            "sample_sequences", nbytes, self._may_wait, self.name, self.config, call.batch_size,
+            call.filter_meta, {"seq_len": call.seq_len, "seed": call.seed}, wait, deadline),
+            device)
 
     async def sample_episodes(self, batch_size: int, seed: int | None = None, *,
                               max_len: int | None = None,
@@ -203,7 +220,9 @@ class AsyncBuffer(ConfigAccessors):
         call = episode_arguments(self.config, batch_size, seed, max_len, filter_meta, timeout)
         self._check_open()
         wait, deadline = budget(call.timeout, self._client.timeout, self._may_wait)
-        return await self._client.grpc.sample_episodes(
+        # Over gRPC whatever the transport (as the sync client's): their size is known
+        # only once drawn.
+        return await self._client.counted("sample_episodes").sample_episodes(
             self.name, self.config, call.batch_size, call.filter_meta,
             {"max_len": call.max_len, "seed": call.seed}, wait, deadline)
 
@@ -213,8 +232,8 @@ class AsyncBuffer(ConfigAccessors):
         require_episodes(self.config)
         wanted = check_filter(self.config, filter_meta)
         self._check_open()
-        return await self._client.grpc.episode_catalog(self.name, self.config, wanted,
-                                                       self._client.timeout)
+        return await self._client.counted("episode_catalog").episode_catalog(
+            self.name, self.config, wanted, self._client.timeout)
 
     # ---- reads ----------------------------------------------------------------
 
@@ -280,8 +299,10 @@ class AsyncBuffer(ConfigAccessors):
     async def _read(self, seqs: np.ndarray, names: list[str] | None, *,
                     positions: bool = False) -> dict[str, np.ndarray]:
         self._check_open()
-        return await self._client.grpc.read(self.name, self.config, seqs, names,
-                                            self._client.timeout, positions)
+        schema = self.schema
+        nbytes = len(seqs) * sum(schema[name].nbytes for name in names or schema.names)
+        return await self._bulk("read", nbytes, False, self.name, self.config, seqs, names,
+                                self._client.timeout, positions)
 
     def _read_chunk(self, record_nbytes: int) -> int:
         return read_chunk(self._client.max_message_bytes, record_nbytes)
@@ -345,14 +366,14 @@ class AsyncPrioritizedBuffer(AsyncBuffer):
         """New priorities for sampled ``indices``; returns how many were still live."""
         seqs, values = priority_arguments(indices, priorities)
         self._check_open()
-        return await self._client.grpc.update_priorities(self.name, seqs, values,
-                                                         self._client.timeout)
+        return await self._client.counted("update_priorities").update_priorities(
+            self.name, seqs, values, self._client.timeout)
 
     async def set_beta(self, beta: float) -> None:
         """Set the importance-sampling exponent (anneal it towards 1)."""
         beta = check_exponent("beta", beta)
         self._check_open()
-        await self._client.grpc.set_beta(self.name, beta, self._client.timeout)
+        await self._client.counted("set_beta").set_beta(self.name, beta, self._client.timeout)
 
 
 def handle_for(client: "AsyncClient", name: str, config: BufferConfig,

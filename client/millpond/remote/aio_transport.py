@@ -17,7 +17,9 @@ refuses (:class:`~millpond.errors.ProtocolError`, naming the server).
 * A task cancelled while its call is under way cancels the call: the daemon stops
   serving it, and a push or sample waiting for the rate limiter is withdrawn.
 
-No shared memory: see :mod:`millpond.aio`.
+The arguments of every bulk call are those of the sync transports' (the
+:class:`~millpond.remote.connection.Transport` protocol): millpond.aio hands a call to
+either (see :mod:`millpond.aio`).
 """
 
 from __future__ import annotations
@@ -126,11 +128,12 @@ class AioTransport:
 
     async def push_batch(self, buffer: str, schema: Schema, n: int,
                          columns: dict[str, np.ndarray], priorities: np.ndarray | None,
-                         timeout: float, deadline: float, capacity: int | None = None) -> int:
-        """Store a batch; returns the buffer's ``pushed`` after it (checked against
-        ``capacity``: :func:`millpond.remote.replies.pushed`)."""
+                         timeout: float, deadline: float, updates: list | None = None,
+                         capacity: int | None = None) -> int:
+        """Store a batch (and episode ``updates`` with it); returns the buffer's ``pushed``
+        after it (checked against ``capacity``: :func:`millpond.remote.replies.pushed`)."""
         request = grpc_calls.push_request(buffer, n, columns, schema, priorities, timeout,
-                                          None, self.max_message_bytes)
+                                          updates, self.max_message_bytes)
         raw = await self.invoke("PushBatch", request, deadline,
                                 len(request) <= STREAMED_MAX_BYTES)
         reply = pb.PushReply.FromString(raw)
