@@ -26,19 +26,37 @@ How it is made, and why
 **Native grpc.aio, not the sync client on threads.** Every call is a coroutine on a
 ``grpc.aio`` channel made in the caller's event loop
 (:mod:`millpond.remote.aio_transport`): a call in flight costs the loop a future, not a
-thread, so a learner keeps as many samples in flight as it likes, and a service serves
+thread, so a learner keeps as many samples in flight as it likes and a service serves
 many buffers from one loop. Running the sync client's calls with ``asyncio.to_thread``
 would have been shorter, but it takes a thread per call in flight (the default pool has
-``min(32, cpus + 4)``: a few waiting samples starve the rest), and a call on a thread
-cannot be withdrawn: a cancelled task whose sample waits for a rate limiter would leave
-it waiting on the daemon, to draw (and, from a queue, remove) records nobody receives.
-Here cancelling the task cancels the call, and the daemon drops it.
+``min(32, cpus + 4)``: a few samples waiting for a rate limiter starve the rest), and a
+call on a thread cannot be withdrawn: a cancelled task whose sample waits for a rate
+limiter would leave it waiting on the daemon, to draw (from a queue: remove) records
+nobody receives. Here cancelling the task cancels the call, and the daemon drops it
+(``tests/test_aio.py`` checks that nothing is left behind).
 
 Small pushes and samples (at most 64 KiB each way) go as messages on open streams, as
 the sync client's do, pooled since tasks share one loop
-(:mod:`millpond.remote.aio_streams`): on the 2-core development machine a stream
-message made about twice the calls per second of a unary ``grpc.aio`` call for
-``sample(256)`` of a CartPole record.
+(:mod:`millpond.remote.aio_streams`): on the 2-core development machine a unary
+``grpc.aio`` ``sample(256)`` of CartPole records made 0.53-0.56x the calls per second of
+the same call as a message on a stream (``bench/aio.py``). One caller's ``sample(256)``
+made 0.99-1.18x the calls of the sync client's over gRPC, four tasks' 1.10-1.48x four
+threads' (two runs on a loaded machine; ``docs/performance.md``).
+
+**Large calls that cannot wait take the fast path, on a few threads.** On the
+server's host (``connect(shm="auto")``, the default), a push, sample or read that moves
+more than 64 KiB, on a buffer without a rate limiter (reads never wait), goes through
+shared memory: the sync client's connection (its negotiation, sessions and fallback to
+gRPC, :mod:`millpond.remote.connection`) runs it on one of the client's
+:data:`~millpond.aio.client.FAST_PATH_THREADS` threads. There the bytes dominate: an
+Atari ``sample(32)`` (1.8 MB) made 2.7x the calls per second of the same call over
+``grpc.aio``. Such a call cannot wait, so it ends within milliseconds whatever happens
+to its task; calls that may wait (a rate limiter's) stay on the channel, where
+cancelling withdraws them. Small calls stay on the channel too, thread-free: one
+caller's CartPole ``sample(256)`` through shared memory on a thread made 1.1-1.3x the
+calls of the channel's stream (four callers: 1.1-2.4x, on a loaded machine); a
+same-host learner of small records that needs more has the sync client's
+shared-memory sampler.
 
 **Nothing is written twice.** The requests are built, and the replies decoded and
 checked, by the functions the sync gRPC transport uses
@@ -46,16 +64,7 @@ checked, by the functions the sync gRPC transport uses
 the same typed errors through the same catalog (:mod:`millpond.wire.status`); arguments
 are checked, before anything is sent, by the functions the sync handle uses
 (:mod:`millpond.handle.buffer`: ``bind``, ``sample_arguments``, ...;
-:mod:`millpond.remote.writes`: ``checked_push``).
-
-**No shared memory.** A client on the server's host still moves its data over gRPC.
-The fast path's sessions are blocking sockets: using them from a loop means a thread per
-call again, with the cancellation problem above. Measured on that machine (``python
-bench/aio.py``; same daemon, same run), the gRPC path here is as fast as the sync
-client's fast path for small records, and slower for large ones: see
-``docs/performance.md``. A learner of large records on the server's host that needs the
-fast path's bandwidth uses the sync client (``millpond.connect``), its sampler
-prefetching on threads.
+:mod:`millpond.remote.writes`: ``checked_push``); the fast path is the sync client's.
 
 **Every await is one acknowledged call.** ``await buf.push(...)`` returns once the
 record is stored: there is no client-side batching of single pushes and no window of
@@ -64,8 +73,7 @@ an actor sends batches with ``push_batch``, and concurrency comes from tasks.
 
 Not here (yet): sharded buffers (one server per client), writes to episodic buffers
 (each writer's episode is the sync handle's, per thread; samples of every kind are
-here), device tensors come as in the sync handle (``device=``), exports and the
-dataloader.
+here), exports and the dataloader.
 """
 
 from __future__ import annotations
