@@ -553,3 +553,37 @@ def test_shared_memory_required_but_not_offered_is_refused_at_connect(tmp_path):
                 assert client.calls["grpc", "push_batch"] == 1
 
         run(main())
+
+
+# ---- tokens and roles ------------------------------------------------------------------------
+
+
+@pytest.mark.daemon
+def test_tokens_and_roles_are_checked_on_streams_and_unary_calls(tmp_path):
+    """Every call carries the token, messages on streams too; a missing or wrong one is
+    AuthenticationError, a role that may not make the call PermissionDeniedError."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("learner learner-token-0123456789\n")
+    tokens.chmod(0o600)
+    with ServerProcess(tmp_path / "data", "--token-file", str(tokens),
+                       env={"MILLPOND_TOKEN": "admin-token-0123456789"}) as server:
+        async def main():
+            async with aio.connect(server.address, token="admin-token-0123456789", shm=False) as admin:
+                buf = await admin.create_buffer("auth", capacity=100, fields=FIELDS)
+                await buf.push_batch(**records(0, 10))  # a message on a stream
+                assert len((await buf.sample(4))["id"]) == 4
+            async with aio.connect(server.address, token="learner-token-0123456789", shm=False) as learner:
+                mine = await learner.buffer("auth")
+                assert len((await mine.sample(4))["id"]) == 4
+                with pytest.raises(millpond.PermissionDeniedError):
+                    await mine.push_batch(**records(10, 2))  # a learner may not push
+                with pytest.raises(millpond.PermissionDeniedError):
+                    await learner.delete_buffer("auth")
+            for token in ("wrong-token-0123456789", ""):
+                async with aio.connect(server.address, token=token, shm=False) as stranger:
+                    with pytest.raises(millpond.AuthenticationError):
+                        await stranger.buffer("auth")
+            async with aio.connect(server.address, token="admin-token-0123456789", shm=False) as admin:
+                assert (await (await admin.buffer("auth")).info())["pushed"] == 10
+
+        run(main())
