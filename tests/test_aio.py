@@ -587,3 +587,44 @@ def test_tokens_and_roles_are_checked_on_streams_and_unary_calls(tmp_path):
                 assert (await (await admin.buffer("auth")).info())["pushed"] == 10
 
         run(main())
+
+
+# ---- what the daemon refuses before it draws, and buffers it holds out of service ------------
+
+
+def test_a_consuming_sample_larger_than_the_client_can_receive_draws_nothing(shared_server):
+    """The client sends its max_message_mb with every call (as the sync one does): a
+    queue's sample whose reply would not arrive is refused before it draws."""
+    async def main():
+        async with aio.connect(shared_server.address, max_message_mb=1) as client:
+            buf = await client.create_buffer(name("too-large"), capacity=40, fields=LARGE,
+                                             mode="queue")
+            for start in (0, 10):
+                await buf.push_batch(**records(start, 10, LARGE))  # 10 x 80 KB each
+            with pytest.raises(millpond.MessageTooLargeError):
+                await buf.sample(14, timeout=0)  # 14 records: 1.12 MB, over 1 MiB
+            assert await buf.size() == 20
+            assert (await buf.sample(5, timeout=0))["id"].tolist() == [0, 1, 2, 3, 4]
+            await buf.close()
+
+    run(main())
+
+
+@pytest.mark.daemon
+def test_a_buffer_held_out_of_service_is_listed_and_refused(tmp_path):
+    from test_operator import damage, make
+
+    data = tmp_path / "data"
+    make(data, "bad", "good")
+    damage(data / "bad.buffer", "damaged-records")
+    with ServerProcess(data) as server:
+        async def main():
+            async with aio.connect(server.address) as client:
+                infos = {info.name: info for info in await client.list_buffers()}
+                assert infos["good"].ok and infos["bad"].state == "damaged"
+                assert (await client.info("bad")).reason == infos["bad"].reason
+                with pytest.raises(millpond.BufferDamagedError):
+                    await client.buffer("bad")
+                assert await (await client.buffer("good")).size() == 40
+
+        run(main())

@@ -73,7 +73,8 @@ an actor sends batches with ``push_batch``, and concurrency comes from tasks.
 
 Not here (yet): sharded buffers (one server per client), writes to episodic buffers
 (each writer's episode is the sync handle's, per thread; samples of every kind are
-here), exports and the dataloader.
+here), exports and the dataloader, and the operator's calls (``repair_buffer``,
+``checkpoint``).
 """
 
 from __future__ import annotations

@@ -237,17 +237,24 @@ class AsyncClient:
             prioritized=prioritized, alpha=alpha, beta=beta, episodes=episodes,
             meta_fields=meta_fields)
         info, created = await self.grpc.create(name, config, self.timeout)
-        return handle_for(self, name, info.config, owner=created)
+        return handle_for(self, name, info.checked_config(), owner=created)
 
     async def buffer(self, name: str) -> AsyncBuffer:
-        """Attach to the existing buffer ``name`` (BufferNotFoundError if none). The
-        handle's ``close()`` releases it; ``delete()`` deletes the buffer."""
+        """Attach to the existing buffer ``name`` (BufferNotFoundError if none;
+        BufferDamagedError if the daemon holds it out of service). The handle's ``close()``
+        releases it; ``delete()`` deletes the buffer."""
         info = await self.grpc.info(name, self.timeout)
-        return handle_for(self, name, info.config)
+        return handle_for(self, name, info.checked_config())
 
     async def list_buffers(self) -> list[BufferInfo]:
-        """Info of every buffer on the server."""
+        """Info of every buffer on the server: those served (``info.state`` is ``"ok"``)
+        and those held out of service (see :meth:`millpond.Client.list_buffers`)."""
         return await self.grpc.list(self.timeout)
+
+    async def info(self, name: str) -> BufferInfo:
+        """Info of the buffer ``name``, served or held out of service (its ``state`` and
+        ``reason``); BufferNotFoundError if none."""
+        return await self.grpc.info(name, self.timeout, include_unavailable=True)
 
     async def delete_buffer(self, name: str) -> None:
         """Delete the buffer ``name`` and its file (BufferNotFoundError if none)."""

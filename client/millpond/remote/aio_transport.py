@@ -8,6 +8,9 @@ by the functions both use (:mod:`millpond.remote.grpc_calls`,
 back (the catalog of :mod:`millpond.wire.status`), and a reply one refuses the other
 refuses (:class:`~millpond.errors.ProtocolError`, naming the server).
 
+* Every call (and stream) carries the client's metadata: the token, if any, and the
+  largest reply it can receive (``millpond-max-receive-bytes``: a sample that consumes
+  records and would not fit is refused before it draws), as the sync transport's do.
 * Every call waits for the server to be ready, within its deadline (``wait_for_ready``;
   a server still recovering its buffers answers ServerStartingError, retried with
   backoff). Nothing else is retried.
@@ -40,6 +43,7 @@ from millpond.remote.aio_streams import StreamPool
 from millpond.remote.grpc_transport import _RETRY_FIRST, _RETRY_MAX, STREAMED_MAX_BYTES
 from millpond.v1 import replay_pb2 as pb
 from millpond.wire.codec import config_to_proto, info_from_proto
+from millpond.wire.frames import MAX_RECEIVE_KEY
 from millpond.wire.status import error_from_rpc
 
 _SERVICE = "/millpond.v1.Replay/"
@@ -59,14 +63,14 @@ class AioTransport:
                  metadata: tuple[tuple[str, str], ...] | None = None, address: str = ""):
         self.channel = channel
         self.max_message_bytes = max_message_bytes
-        self.metadata = metadata
+        self.metadata = (*(metadata or ()), (MAX_RECEIVE_KEY, str(max_message_bytes)))
         self.address = address  # named in the errors of replies that do not check
         self._unary = {name: channel.unary_unary(_SERVICE + name, request_serializer=None,
                                                  response_deserializer=None)
                        for name in _UNARY}
         self._streams = {name: StreamPool(channel.stream_stream(
-            _SERVICE + streamed, request_serializer=None, response_deserializer=None), metadata)
-            for name, streamed in _STREAMED.items()}
+            _SERVICE + streamed, request_serializer=None, response_deserializer=None),
+            self.metadata) for name, streamed in _STREAMED.items()}
         self.closed = False
 
     async def invoke(self, method: str, request: bytes, deadline: float,
@@ -219,13 +223,18 @@ class AioTransport:
         reply = pb.CreateReply.FromString(await self._unary_message("Create", request, deadline))
         return replies.created(self._info(reply.info), config, name, self.address), reply.created
 
-    async def info(self, name: str, deadline: float) -> BufferInfo:
-        raw = await self._unary_message("Info", pb.InfoRequest(name=name), deadline)
+    async def info(self, name: str, deadline: float, include_unavailable: bool = False
+                   ) -> BufferInfo:
+        """``name``'s info; a buffer held out of service raises BufferDamagedError, unless
+        ``include_unavailable`` (then its info says its state and reason)."""
+        request = pb.InfoRequest(name=name, include_unavailable=include_unavailable)
+        raw = await self._unary_message("Info", request, deadline)
         return self._info(pb.BufferInfo.FromString(raw))
 
-    async def list(self, deadline: float) -> list[BufferInfo]:
-        reply = pb.ListReply.FromString(
-            await self._unary_message("List", pb.ListRequest(), deadline))
+    async def list(self, deadline: float, include_unavailable: bool = True) -> list[BufferInfo]:
+        """Every buffer's info; with ``include_unavailable`` those held out of service too."""
+        request = pb.ListRequest(include_unavailable=include_unavailable)
+        reply = pb.ListReply.FromString(await self._unary_message("List", request, deadline))
         return [self._info(info) for info in reply.buffers]
 
     async def delete(self, name: str, deadline: float) -> None:
