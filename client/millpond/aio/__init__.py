@@ -38,10 +38,10 @@ nobody receives. Here cancelling the task cancels the call, and the daemon drops
 Small pushes and samples (at most 64 KiB each way) go as messages on open streams, as
 the sync client's do, pooled since tasks share one loop
 (:mod:`millpond.remote.aio_streams`): on the 2-core development machine a unary
-``grpc.aio`` ``sample(256)`` of CartPole records made 0.53-0.56x the calls per second of
+``grpc.aio`` ``sample(256)`` of CartPole records made 0.50-0.56x the calls per second of
 the same call as a message on a stream (``bench/aio.py``). One caller's ``sample(256)``
-made 0.99-1.18x the calls of the sync client's over gRPC, four tasks' 1.10-1.48x four
-threads' (two runs on a loaded machine; ``docs/performance.md``).
+made 0.90-1.18x the calls of the sync client's over gRPC, four tasks' 1.10-1.48x four
+threads' (medians of three runs on a loaded machine; ``docs/performance.md``).
 
 **Large calls that cannot wait take the fast path, on a few threads.** On the
 server's host (``connect(shm="auto")``, the default), a push, sample or read that moves
@@ -49,11 +49,11 @@ more than 64 KiB, on a buffer without a rate limiter (reads never wait), goes th
 shared memory: the sync client's connection (its negotiation, sessions and fallback to
 gRPC, :mod:`millpond.remote.connection`) runs it on one of the client's
 :data:`~millpond.aio.client.FAST_PATH_THREADS` threads. There the bytes dominate: an
-Atari ``sample(32)`` (1.8 MB) made 2.7x the calls per second of the same call over
-``grpc.aio``. Such a call cannot wait, so it ends within milliseconds whatever happens
+Atari ``sample(32)`` (1.8 MB) made 2.7-3.0x the calls per second of the same call
+over ``grpc.aio``. Such a call cannot wait, so it ends within milliseconds whatever happens
 to its task; calls that may wait (a rate limiter's) stay on the channel, where
 cancelling withdraws them. Small calls stay on the channel too, thread-free: one
-caller's CartPole ``sample(256)`` through shared memory on a thread made 1.1-1.3x the
+caller's CartPole ``sample(256)`` through shared memory on a thread made 0.8-1.3x the
 calls of the channel's stream (four callers: 1.1-2.4x, on a loaded machine); a
 same-host learner of small records that needs more has the sync client's
 shared-memory sampler.
