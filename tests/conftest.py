@@ -47,6 +47,16 @@ def shared_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def aio_loop():
+    """An event loop on a thread of its own, for millpond.aio clients driven from sync tests
+    (tests/aio_sync.py)."""
+    from aio_sync import LoopThread
+    runner = LoopThread()
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     """Three daemons for a whole test module: their addresses (a sharded client's target)."""
     root = tmp_path_factory.mktemp("shards")

@@ -2,7 +2,8 @@
 
 "The client mimics the in-process API" is checked here, not claimed: every
 test runs once per backend, with the same calls and the same assertions,
-including the exception types.
+including the exception types. "aio" is the asyncio client (millpond.aio), driven
+from these sync tests by tests/aio_sync.py.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import itertools
 
 import numpy as np
 import pytest
+from aio_sync import SyncBuffer
 
 import millpond
 
@@ -18,12 +20,14 @@ _names = itertools.count()
 
 
 @pytest.fixture(params=["local", pytest.param("grpc", marks=pytest.mark.daemon),
-                        pytest.param("shm", marks=pytest.mark.daemon)])
+                        pytest.param("shm", marks=pytest.mark.daemon),
+                        pytest.param("aio", marks=pytest.mark.daemon)])
 def make(request, tmp_path):
     """make(hot, total, obs_dim=, act_dim= | fields=) -> a buffer on the backend under test.
 
     "grpc" and "shm" are remote buffers on a real daemon, with bulk data over
-    gRPC and over the shared-memory fast path respectively.
+    gRPC and over the shared-memory fast path respectively; "aio" one made by
+    millpond.aio's client (its calls awaited on an event loop of their own).
     """
     made = []
 
@@ -32,6 +36,13 @@ def make(request, tmp_path):
             buf = millpond.MmapReplayBuffer(
                 hot, total, obs_dim, act_dim, tmp_path / f"b{next(_names)}.cold", fields=fields
             )
+        elif request.param == "aio":
+            server, loop = request.getfixturevalue("shared_server"), request.getfixturevalue("aio_loop")
+            client = loop.connect(server.address)
+            assert client.transport == "grpc"
+            buf = SyncBuffer(loop, loop.run(client.create_buffer(
+                f"contract-{next(_names)}", hot_capacity=hot, total_capacity=total,
+                obs_dim=obs_dim, act_dim=act_dim, fields=fields)), own_client=True)
         else:
             server = request.getfixturevalue("shared_server")
             client = millpond.connect(server.address, shm=request.param == "shm")

@@ -1,10 +1,12 @@
-"""Every buffer kind on every transport: in-process, gRPC and shared memory.
+"""Every buffer kind on every transport: in-process, gRPC and shared memory, and the
+asyncio client (millpond.aio, over gRPC).
 
-Each test builds the same kind of buffer three ways, runs the same calls on
+Each test builds the same kind of buffer four ways, runs the same calls on
 each (seeded samples, bad input, ``timeout=`` values 0, negative, small and
 None, priorities) and checks that every call has the same outcome (the same
 arrays, or the same exception type) and that the buffers end in the same
-state. Threads sharing one client are checked on every transport too.
+state. Threads sharing one client are checked on every transport too (for
+"aio", threads whose calls go on at once on one event loop: tests/aio_sync.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from aio_sync import SyncBuffer
 from support import run_everywhere
 
 import millpond
@@ -31,17 +34,19 @@ KINDS = {
     "max_times_sampled": dict(hot_capacity=4, total_capacity=12, max_times_sampled=2),
 }
 TRANSPORTS = ("local", "grpc", "shm")
+# The transports of the tests of threads sharing a client: these, and the asyncio client.
+THREADED = (*TRANSPORTS, "aio")
 SMALL = 0.05  # seconds: a timeout short enough to expire in a test
 _names = itertools.count()
 
 
-def records(start: int, n: int) -> dict[str, np.ndarray]:
+def records(start: int, n: int, width: int = 3) -> dict[str, np.ndarray]:
     """Self-describing records: obs is derived from id."""
     ids = np.arange(start, start + n)
-    return {"id": ids, "obs": np.repeat(ids[:, None] * 0.5, 3, axis=1).astype(np.float32)}
+    return {"id": ids, "obs": np.repeat(ids[:, None] * 0.5, width, axis=1).astype(np.float32)}
 
 
-def local_buffer(tmp_path, spec: dict):
+def local_buffer(tmp_path, spec: dict, fields: dict = FIELDS):
     """The in-process buffer for ``spec``, through the public constructors."""
     spec = dict(spec)
     hot = spec.pop("hot_capacity", spec.get("capacity"))
@@ -49,16 +54,17 @@ def local_buffer(tmp_path, spec: dict):
     path = tmp_path / f"local-{next(_names)}.buffer"
     if spec.pop("prioritized", False):
         return millpond.PrioritizedReplayBuffer(hot_capacity=hot, total_capacity=total,
-                                                cold_path=path, fields=FIELDS, **spec)
-    return millpond.MmapReplayBuffer(hot, total, cold_path=path, fields=FIELDS, **spec)
+                                                cold_path=path, fields=fields, **spec)
+    return millpond.MmapReplayBuffer(hot, total, cold_path=path, fields=fields, **spec)
 
 
 @pytest.fixture
-def three(shared_server, tmp_path):
-    """three(kind) -> {transport: buffer}, all of that kind, empty."""
+def three(shared_server, aio_loop, tmp_path):
+    """three(kind) -> {transport: buffer}, all of that kind, empty: "local", "grpc", "shm"
+    and (unless ``aio=False``) "aio", millpond.aio's handle driven from sync code."""
     made = []
 
-    def factory(kind: str, **client_options) -> dict:
+    def factory(kind: str, aio: bool = True, **client_options) -> dict:
         spec = KINDS[kind]
         name = f"kinds-{kind}-{next(_names)}"
         bufs = {"local": local_buffer(tmp_path, spec)}
@@ -66,6 +72,10 @@ def three(shared_server, tmp_path):
             client = millpond.connect(shared_server.address, shm=transport == "shm", **client_options)
             assert client.transport == transport
             bufs[transport] = client.create_buffer(f"{name}-{transport}", fields=FIELDS, **spec)
+        if aio:
+            client = aio_loop.connect(shared_server.address)
+            bufs["aio"] = SyncBuffer(aio_loop, aio_loop.run(client.create_buffer(
+                f"{name}-aio", fields=FIELDS, **spec)), own_client=True)
         made.extend(bufs.values())
         return bufs
 
@@ -142,6 +152,43 @@ def test_every_kind_behaves_the_same_on_every_transport(three, kind):
     run_everywhere(three(kind), common_calls(kind))
 
 
+# 8 KB records: a call of 8 or more moves over 64 KiB, which millpond.aio sends through
+# shared memory (on its threads) when the buffer cannot make it wait, else over gRPC.
+LARGE = {"id": ("int64", ()), "obs": ("float32", (2048,))}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_large_calls_have_the_same_outcomes_on_every_kind(shared_server, aio_loop, tmp_path,
+                                                          kind):
+    spec, name = KINDS[kind], f"kinds-large-{kind}-{next(_names)}"
+    bufs = {"local": local_buffer(tmp_path, spec, LARGE),
+            "shm": millpond.connect(shared_server.address, shm=True).create_buffer(
+                f"{name}-shm", fields=LARGE, **spec)}
+    client = aio_loop.connect(shared_server.address)
+    bufs["aio"] = SyncBuffer(aio_loop, aio_loop.run(client.create_buffer(
+        f"{name}-aio", fields=LARGE, **spec)), own_client=True)
+    big = lambda start, n: records(start, n, 2048)  # noqa: E731
+    calls = [lambda b: b.push_batch(**big(0, 6), timeout=0),  # (timeout=0: only try)
+             lambda b: b.push_batch(**big(6, 4), timeout=0),
+             lambda b: b.sample(9, seed=1, timeout=0),
+             lambda b: b.sample_all(),
+             lambda b: b.sample_by_index(np.arange(len(b))[::-1]),
+             lambda b: b.push_batch(**big(20, 10), timeout=0),
+             lambda b: b.sample(100, timeout=0),
+             lambda b: b.sample(9, seed=2, timeout=SMALL),
+             lambda b: (len(b), b.sample_all(fields=["id"]))]
+    if kind == "prioritized":
+        calls.append(lambda b: b.update_priorities(b.sample(9, seed=3)["indices"], np.ones(9)))
+    try:
+        run_everywhere(bufs, calls)
+        transports = {transport for transport, _ in client.calls.elements()}
+        assert transports == ({"grpc"} if "rate_limiter" in spec or "mode" in spec
+                              else {"grpc", "shm"}), client.calls  # (queues, stacks: limited)
+    finally:
+        for buf in bufs.values():
+            buf.close()
+
+
 @pytest.mark.parametrize("kind", ["rate_limited", "queue", "stack"])
 def test_calls_that_must_wait_time_out_the_same_way(three, kind):
     """timeout=0 refuses at once, a small timeout waits that long, and neither changes anything."""
@@ -163,7 +210,7 @@ def test_calls_that_must_wait_time_out_the_same_way(three, kind):
         assert info["waiting_inserts"] == info["waiting_samples"] == 0
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", THREADED)
 def test_a_waiting_call_proceeds_when_another_thread_unblocks_it(three, transport):
     """timeout=None (remote: the client's timeout) waits for a push from another thread."""
     buf = three("queue")[transport]
@@ -181,7 +228,7 @@ def test_a_waiting_call_proceeds_when_another_thread_unblocks_it(three, transpor
     assert got["batch"]["id"].tolist() == [0, 1] and len(buf) == 0
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", THREADED)
 def test_one_client_shared_by_an_actor_thread_and_a_waiting_learner(three, transport):
     """An actor pushes and a learner samples through one client at once; the learner
     keeps waiting on the rate limiter, and neither blocks the other."""
@@ -218,7 +265,7 @@ def test_one_client_shared_by_an_actor_thread_and_a_waiting_learner(three, trans
     assert info["sample_waits"] + info["insert_waits"] > 0  # they really did wait on each other
 
 
-@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("transport", ["grpc", "shm", "aio"])
 def test_many_threads_share_one_client(three, transport):
     buf = three("tiered")[transport]
     buf.push_batch(**records(0, 12))

@@ -30,8 +30,15 @@ def test_server_quickstart_runs(server):
     exec(compile(code, "README.md[1]", "exec"), {})
 
 
+def test_asyncio_example_runs(server):
+    block = next(b for b in python_blocks() if "millpond.aio.connect(" in b)
+    code = block.replace("localhost:50051", server.address)
+    exec(compile(code, "README.md", "exec"), {})
+
+
 def test_rate_limit_example_runs():
-    exec(compile(python_blocks()[2], "README.md[2]", "exec"), {})
+    block = next(b for b in python_blocks() if "SampleToInsertRatio(" in b)
+    exec(compile(block, "README.md", "exec"), {})
 
 
 @pytest.mark.parametrize("marker", ["buf.sample_sequences(32, 20", "n_step=3, gamma=0.5"])

@@ -10,6 +10,7 @@ honest reply a check must not refuse."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from support import ServerProcess
 from test_contract import transitions
 
 import millpond
+import millpond.aio
 
 pytestmark = pytest.mark.daemon
 LYING = str(Path(__file__).with_name("lying_daemon.py"))
@@ -303,3 +305,65 @@ def test_a_result_segment_with_the_id_of_one_in_use_is_refused(liars):
     with pytest.raises(millpond.ProtocolError, match="segment id"):
         buf.sample(8, seed=2)
     np.testing.assert_array_equal(kept["obs"], snapshot)
+
+
+# ---- the asyncio client: the same checks (millpond.aio, over gRPC) ------------------------
+
+AIO_CALLS = {
+    "sample": lambda b: b.sample(32),
+    "filtered sample": lambda b: b.sample(32, filter_meta={"task": 1}),
+    "n-step sample": lambda b: b.sample(32, n_step=3),
+    "sequences": lambda b: b.sample_sequences(32, 3),
+    "episodes": lambda b: b.sample_episodes(32),
+    "read": lambda b: b.sample_by_index(np.arange(EPISODES * LENGTH)),
+    "catalog": lambda b: b.episode_catalog(),
+}
+
+
+def aio_refuses(liar: ServerProcess, call, name: str | None = None) -> None:
+    """``await call(handle of name)`` (``call(client)`` if no name) raises ProtocolError
+    naming the liar."""
+    async def main():
+        async with millpond.aio.connect(liar.address) as client:
+            target = client if name is None else await client.buffer(name)
+            with pytest.raises(millpond.ProtocolError, match=liar.address):
+                await call(target)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("call", AIO_CALLS)
+@pytest.mark.parametrize("lie", ["rows", "dtype", "extra", "missing"])
+def test_the_asyncio_client_refuses_columns_unlike_the_request(liars, lie, call):
+    liar = liars(lie)
+    written = episodic(millpond.connect(liar.address, shm=False))  # (aio writes no episodes)
+    aio_refuses(liar, AIO_CALLS[call], written.backend.name)
+
+
+@pytest.mark.parametrize("lie, call", [
+    ("width", "sequences"), ("width", "episodes"), ("seqs", "catalog")])
+def test_the_asyncio_client_refuses_windows_and_catalogs_that_cannot_be(liars, lie, call):
+    liar = liars(lie)
+    written = episodic(millpond.connect(liar.address, shm=False))
+    aio_refuses(liar, AIO_CALLS[call], written.backend.name)
+
+
+def test_the_asyncio_client_refuses_impossible_counts_and_infos(liars):
+    config = dict(capacity=30, obs_dim=2, act_dim=1)
+    aio_refuses(liars("push"), lambda c: _created_and(c, config, lambda b: b.push_batch(
+        **transitions(0, 10))))
+    aio_refuses(liars("updated"), lambda c: _created_and(
+        c, {**config, "prioritized": True}, _update_priorities))
+    aio_refuses(liars("config"), lambda c: c.create_buffer(f"config-{next(_names)}", **config))
+    aio_refuses(liars("priority"), lambda c: c.create_buffer(f"nan-{next(_names)}",
+                                                             prioritized=True, **config))
+    aio_refuses(liars("size"), lambda c: c.create_buffer(f"size-{next(_names)}", **config))
+
+
+async def _created_and(client, config: dict, call):
+    return await call(await client.create_buffer(f"aio-{next(_names)}", **config))
+
+
+async def _update_priorities(buf):
+    await buf.push_batch(**transitions(0, 20))
+    await buf.update_priorities((await buf.sample(8))["indices"], np.ones(8))

@@ -46,7 +46,7 @@ _EXPORTS = {
 }
 
 # Submodules reachable as attributes of the package (loaded on first use too).
-_SUBMODULES = ("datasets",)
+_SUBMODULES = ("aio", "datasets")
 
 __all__ = sorted(_EXPORTS)
 
@@ -67,7 +67,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what static checkers and IDEs see
-    from millpond import datasets  # noqa: F401
+    from millpond import aio, datasets  # noqa: F401
     from millpond.api import (  # noqa: F401
         MmapReplayBuffer,
         PrioritizedReplayBuffer,

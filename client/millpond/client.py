@@ -127,8 +127,7 @@ class Client(BufferClient):
                  tls: bool | None = None, tls_ca: str | os.PathLike | None = None,
                  tls_cert: str | os.PathLike | None = None,
                  tls_key: str | os.PathLike | None = None):
-        if not isinstance(address, str) or not address:
-            raise InvalidConfigError(f"address must be 'host:port', got {address!r}")
+        check_address(address)
         if shm not in (True, False, "auto"):
             raise InvalidConfigError(f"shm must be True, False or 'auto', got {shm!r}")
         if not isinstance(push_batch_size, int) or push_batch_size < 1:
@@ -137,10 +136,8 @@ class Client(BufferClient):
                 1 <= max_in_flight <= MAX_IN_FLIGHT):
             raise InvalidConfigError(
                 f"max_in_flight must be an int in [1, {MAX_IN_FLIGHT}], got {max_in_flight!r}")
-        if not is_real(timeout) or isinstance(timeout, bool) or not 0 < timeout < float("inf"):
-            raise InvalidConfigError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
         self.address = address
-        self.timeout = float(timeout)
+        self.timeout = check_client_timeout(timeout)
         self.shm = shm
         self.push_batch_size = push_batch_size
         self.push_max_delay = push_max_delay
@@ -195,24 +192,10 @@ class Client(BufferClient):
         buffer without a rate limiter never waits (``may_wait=False``): its
         calls get this client's timeout, as every other call does.
         """
-        if not may_wait:
-            return 0.0, self.timeout
-        wait = self.timeout if timeout is None else timeout
-        return wait, wait + self.timeout
+        return budget(timeout, self.timeout, may_wait)
 
     def _options(self) -> list[tuple[str, Any]]:
-        return [
-            ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-            ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
-            # A channel of its own connection: a forked child's new channel must not reuse
-            # its parent's (gRPC's global pool would hand it the parent's socket).
-            ("grpc.use_local_subchannel_pool", 1),
-        ]
+        return channel_options(self.max_message_bytes)
 
     # ---- buffers --------------------------------------------------------------
 
@@ -295,3 +278,44 @@ class Client(BufferClient):
 
 def _rebuild_client(address: str, settings: dict[str, Any]) -> Client:
     return Client(address, **settings)
+
+
+# ---- what every client of one server does alike (this one, millpond.aio's) ---------------
+
+
+def check_address(address: Any) -> str:
+    """``address`` ("host:port"), or InvalidConfigError."""
+    if not isinstance(address, str) or not address:
+        raise InvalidConfigError(f"address must be 'host:port', got {address!r}")
+    return address
+
+
+def check_client_timeout(timeout: Any) -> float:
+    """A client's ``timeout`` (finite seconds > 0) as a float, or InvalidConfigError."""
+    if not is_real(timeout) or isinstance(timeout, bool) or not 0 < timeout < float("inf"):
+        raise InvalidConfigError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+    return float(timeout)
+
+
+def budget(timeout: float | None, client_timeout: float, may_wait: bool) -> tuple[float, float]:
+    """``(wait, deadline)`` of a push or sample: see :meth:`Client.budget`."""
+    if not may_wait:
+        return 0.0, client_timeout
+    wait = client_timeout if timeout is None else timeout
+    return wait, wait + client_timeout
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """The options of a client's gRPC channel: message limits and keepalive pings."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # A channel of its own connection: a forked child's new channel must not reuse
+        # its parent's (gRPC's global pool would hand it the parent's socket).
+        ("grpc.use_local_subchannel_pool", 1),
+    ]

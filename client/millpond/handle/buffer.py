@@ -28,7 +28,7 @@ import contextlib
 import functools
 import os
 import threading
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -41,9 +41,16 @@ from millpond.core.checks import (
     check_timeout,
 )
 from millpond.core.config import BufferConfig, ConfigAccessors, check_exponent
-from millpond.core.episode_checks import MAX_WINDOW, check_fields, check_filter, check_n_step
+from millpond.core.episode_checks import (
+    MAX_WINDOW,
+    check_fields,
+    check_filter,
+    check_n_step,
+    require_episodes,
+)
 from millpond.core.episodes import check_meta, record_ends
 from millpond.core.info import BufferInfo
+from millpond.core.schema import Schema
 from millpond.core.snapshot import CheckpointResult
 from millpond.errors import FieldMismatchError, InvalidArgumentError
 from millpond.handle.backend import Backend
@@ -55,8 +62,8 @@ from millpond.handle.sampler import Sampler
 
 # The reference's positional order for push and push_batch of transitions,
 # and the argument names it uses for each field.
-_PUSH_ORDER = ("obs", "actions", "rewards", "terminated", "truncated", "next_obs")
-_PUSH_BATCH_ORDER = ("obs", "next_obs", "actions", "rewards", "terminated", "truncated")
+PUSH_ORDER = ("obs", "actions", "rewards", "terminated", "truncated", "next_obs")
+PUSH_BATCH_ORDER = ("obs", "next_obs", "actions", "rewards", "terminated", "truncated")
 _ALIASES = {
     "action": "actions",
     "reward": "rewards",
@@ -120,7 +127,7 @@ class Buffer(ConfigAccessors):
         this thread's current episode, and ends it if its ``terminated`` or
         ``truncated`` is true.
         """
-        self._push_one(self._bind(_PUSH_ORDER, args, kwargs), None, timeout)
+        self._push_one(self._bind(PUSH_ORDER, args, kwargs), None, timeout)
 
     def push_batch(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> None:
         """Append many records at once, validated as a whole before storing.
@@ -135,7 +142,7 @@ class Buffer(ConfigAccessors):
         episodic buffer the records continue this thread's episodes, like
         pushes one by one.
         """
-        self._push_many(self._bind(_PUSH_BATCH_ORDER, args, kwargs), None, timeout)
+        self._push_many(self._bind(PUSH_BATCH_ORDER, args, kwargs), None, timeout)
 
     def sample(self, batch_size: int, seed: int | None = None, *, timeout: float | None = None,
                n_step: int | None = None, gamma: float = 0.99,
@@ -164,15 +171,16 @@ class Buffer(ConfigAccessors):
             check_device(device)
             return to_device(self.sample(batch_size, seed, timeout=timeout, n_step=n_step,
                                          gamma=gamma, filter_meta=filter_meta), device)
-        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
-        timeout, wanted = check_timeout(timeout), check_filter(self.config, filter_meta)
-        if n_step is not None:
-            n_step, gamma = check_n_step(self.config, n_step, gamma)
-            return self._backend.sample_n_step(batch_size, n_step, gamma, seed,
-                                               filter_meta=wanted, timeout=timeout)
-        if wanted:
-            return self._backend.sample(batch_size, seed, timeout=timeout, filter_meta=wanted)
-        return self._backend.sample(batch_size, seed, timeout=timeout)
+        call = sample_arguments(self.config, batch_size, seed, timeout, n_step, gamma,
+                                filter_meta)
+        if call.n_step is not None:
+            return self._backend.sample_n_step(call.batch_size, call.n_step, call.gamma,
+                                               call.seed, filter_meta=call.filter_meta,
+                                               timeout=call.timeout)
+        if call.filter_meta:
+            return self._backend.sample(call.batch_size, call.seed, timeout=call.timeout,
+                                        filter_meta=call.filter_meta)
+        return self._backend.sample(call.batch_size, call.seed, timeout=call.timeout)
 
     def flush(self) -> None:
         """Return once every record pushed before this call is stored.
@@ -252,20 +260,8 @@ class Buffer(ConfigAccessors):
         )
 
     def _bind(self, order: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
-        """Map the reference's positional/keyword arguments to field names."""
-        schema = self.schema
-        transition = schema.is_transition
-        if not transition:
-            order = schema.names
-        if len(args) > len(order):
-            raise FieldMismatchError(f"expected at most {len(order)} positional arguments")
-        bound = dict(zip(order, args))
-        for key, value in kwargs.items():
-            name = _ALIASES.get(key, key) if transition else key
-            if name in bound:
-                raise FieldMismatchError(f"field {name!r} given twice")
-            bound[name] = value
-        return bound
+        """Map the reference's positional/keyword arguments to field names (:func:`bind`)."""
+        return bind(self.schema, order, args, kwargs)
 
     # ---- episodes ----------------------------------------------------------------------------
 
@@ -354,8 +350,7 @@ class Buffer(ConfigAccessors):
         return EpisodeWriter(self, n_envs, max_records)
 
     def _require_episodes(self) -> None:
-        if not self.config.episodes:
-            raise InvalidArgumentError("this buffer is not episodic: create it with episodes=True")
+        require_episodes(self.config)
 
     def sample_sequences(self, batch_size: int, seq_len: int, seed: int | None = None, *,
                          filter_meta: Mapping[str, Any] | None = None,
@@ -369,12 +364,10 @@ class Buffer(ConfigAccessors):
         tensors on it (see :mod:`millpond.handle.devices`).
         """
         check_device(device)
-        self._require_episodes()
-        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
-        seq_len = check_count("seq_len", seq_len, MAX_WINDOW)
+        call = sequence_arguments(self.config, batch_size, seq_len, seed, filter_meta, timeout)
         return to_device(self._backend.sample_sequences(
-            batch_size, seq_len, seed, filter_meta=check_filter(self.config, filter_meta),
-            timeout=check_timeout(timeout)), device)
+            call.batch_size, call.seq_len, call.seed, filter_meta=call.filter_meta,
+            timeout=call.timeout), device)
 
     def sample_trajectories(self, batch_size: int, seq_len: int, seed: int | None = None, *,
                             filter_meta: Mapping[str, Any] | None = None,
@@ -387,13 +380,9 @@ class Buffer(ConfigAccessors):
                         max_len: int | None = None, filter_meta: Mapping[str, Any] | None = None,
                         timeout: float | None = None) -> dict[str, np.ndarray]:
         """``batch_size`` complete live episodes, padded (``mask``, ``lens``, meta fields)."""
-        self._require_episodes()
-        batch_size, seed = check_batch_size(batch_size), check_seed(seed)
-        if max_len is not None:
-            max_len = check_count("max_len", max_len, MAX_WINDOW)
-        return self._backend.sample_episodes(
-            batch_size, seed, max_len=max_len, filter_meta=check_filter(self.config, filter_meta),
-            timeout=check_timeout(timeout))
+        call = episode_arguments(self.config, batch_size, seed, max_len, filter_meta, timeout)
+        return self._backend.sample_episodes(call.batch_size, call.seed, max_len=call.max_len,
+                                             filter_meta=call.filter_meta, timeout=call.timeout)
 
     def episode_catalog(self, filter_meta: Mapping[str, Any] | None = None
                         ) -> dict[str, np.ndarray]:
@@ -471,29 +460,20 @@ class Buffer(ConfigAccessors):
         ``drop_last``. Arguments are checked now; batches are read as the
         iteration goes (a record pushed during an epoch waits for the next).
         """
-        batch_size = check_batch_size(batch_size)
-        n_epochs = check_count("n_epochs", n_epochs, MAX_EPOCHS)
-        rng = np.random.default_rng(check_seed(seed))
-        names = check_fields(self.config, fields)
-        check_device(device)
-        if not isinstance(shuffle, bool) or not isinstance(drop_last, bool):
-            raise InvalidArgumentError("shuffle and drop_last must be True or False")
+        plan = EpochPlan(self.config, batch_size, n_epochs, shuffle, seed, drop_last, fields,
+                         device)
 
         def batches() -> Iterator[dict[str, Any]]:
-            for _ in range(n_epochs):
-                n = len(self)
-                order = rng.permutation(n) if shuffle else np.arange(n)
-                stop = n - n % batch_size if drop_last else n
-                for start in range(0, stop, batch_size):
-                    yield self.sample_by_index(order[start:start + batch_size], names,
-                                               device=device)
+            for _ in range(plan.n_epochs):
+                for positions in plan.epoch(len(self)):
+                    yield self.sample_by_index(positions, plan.names, device=device)
 
         return batches()
 
     def calculate_num_batches(self, batch_size: int) -> int:
         """Batches of ``batch_size`` per epoch: ``ceil(len / batch_size)``, as objectrl
         counts them (with ``drop_last`` an epoch yields ``len // batch_size``)."""
-        return -(-len(self) // check_batch_size(batch_size))
+        return num_batches(len(self), batch_size)
 
     def reset(self) -> None:
         """Drop every record; keep the buffer, its config (and file, if persistent).
@@ -538,17 +518,16 @@ class PrioritizedBuffer(Buffer):
     def push(self, *args: Any, priority: float | None = None, timeout: float | None = None,
              **kwargs: Any) -> None:
         """``push(obs, action, reward, terminated, truncated, next_obs, priority=None)``."""
-        self._push_one(self._bind(_PUSH_ORDER, args, kwargs), priority, timeout)
+        self._push_one(self._bind(PUSH_ORDER, args, kwargs), priority, timeout)
 
     def push_batch(self, *args: Any, priorities: Any = None, timeout: float | None = None,
                    **kwargs: Any) -> None:
         """Like :meth:`Buffer.push_batch`, with one priority per record (optional)."""
-        self._push_many(self._bind(_PUSH_BATCH_ORDER, args, kwargs), priorities, timeout)
+        self._push_many(self._bind(PUSH_BATCH_ORDER, args, kwargs), priorities, timeout)
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """New priorities for sampled ``indices``; returns how many were still live."""
-        seqs = check_indices(indices)
-        return self._backend.update_priorities(seqs, check_priorities(priorities, len(seqs)))
+        return self._backend.update_priorities(*priority_arguments(indices, priorities))
 
     def set_beta(self, beta: float) -> None:
         """Set the importance-sampling exponent (anneal it towards 1)."""
@@ -564,3 +543,118 @@ def handle_for(backend: Backend) -> Buffer:
 
 # One epoch_iterator covers at most this many epochs (a bound on one call, not a use).
 MAX_EPOCHS = 1 << 30
+
+
+# ---- arguments, checked once: by this handle, and by millpond.aio's -------------------------
+
+
+def bind(schema: Schema, order: tuple[str, ...], args: tuple, kwargs: Mapping[str, Any]
+         ) -> dict[str, Any]:
+    """Map the reference's positional/keyword arguments (``order``: :data:`PUSH_ORDER` or
+    :data:`PUSH_BATCH_ORDER`; aliases such as ``action``) to ``schema``'s field names."""
+    transition = schema.is_transition
+    if not transition:
+        order = schema.names
+    if len(args) > len(order):
+        raise FieldMismatchError(f"expected at most {len(order)} positional arguments")
+    bound = dict(zip(order, args))
+    for key, value in kwargs.items():
+        name = _ALIASES.get(key, key) if transition else key
+        if name in bound:
+            raise FieldMismatchError(f"field {name!r} given twice")
+        bound[name] = value
+    return bound
+
+
+class SampleArguments(NamedTuple):
+    """A sample's arguments, checked (:func:`sample_arguments`)."""
+
+    batch_size: int
+    seed: int | None
+    timeout: float | None
+    filter_meta: dict[str, np.ndarray] | None
+    n_step: int | None  # None: records, not n-step transitions
+    gamma: float
+
+
+def sample_arguments(config: BufferConfig, batch_size: Any, seed: Any, timeout: Any,
+                     n_step: Any, gamma: Any, filter_meta: Mapping[str, Any] | None
+                     ) -> SampleArguments:
+    """The arguments of :meth:`Buffer.sample` (``device`` aside), checked."""
+    batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+    timeout, wanted = check_timeout(timeout), check_filter(config, filter_meta)
+    if n_step is not None:
+        n_step, gamma = check_n_step(config, n_step, gamma)
+    return SampleArguments(batch_size, seed, timeout, wanted, n_step, gamma)
+
+
+class SequenceArguments(NamedTuple):
+    batch_size: int
+    seq_len: int
+    seed: int | None
+    filter_meta: dict[str, np.ndarray] | None
+    timeout: float | None
+
+
+def sequence_arguments(config: BufferConfig, batch_size: Any, seq_len: Any, seed: Any,
+                       filter_meta: Mapping[str, Any] | None, timeout: Any
+                       ) -> SequenceArguments:
+    """The arguments of :meth:`Buffer.sample_sequences` (``device`` aside), checked."""
+    require_episodes(config)
+    batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+    seq_len = check_count("seq_len", seq_len, MAX_WINDOW)
+    return SequenceArguments(batch_size, seq_len, seed, check_filter(config, filter_meta),
+                             check_timeout(timeout))
+
+
+class EpisodeArguments(NamedTuple):
+    batch_size: int
+    seed: int | None
+    max_len: int | None
+    filter_meta: dict[str, np.ndarray] | None
+    timeout: float | None
+
+
+def episode_arguments(config: BufferConfig, batch_size: Any, seed: Any, max_len: Any,
+                      filter_meta: Mapping[str, Any] | None, timeout: Any) -> EpisodeArguments:
+    """The arguments of :meth:`Buffer.sample_episodes`, checked."""
+    require_episodes(config)
+    batch_size, seed = check_batch_size(batch_size), check_seed(seed)
+    if max_len is not None:
+        max_len = check_count("max_len", max_len, MAX_WINDOW)
+    return EpisodeArguments(batch_size, seed, max_len, check_filter(config, filter_meta),
+                            check_timeout(timeout))
+
+
+def priority_arguments(indices: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(indices, priorities)`` of :meth:`PrioritizedBuffer.update_priorities`, checked."""
+    seqs = check_indices(indices)
+    return seqs, check_priorities(priorities, len(seqs))
+
+
+def num_batches(size: int, batch_size: Any) -> int:
+    """:meth:`Buffer.calculate_num_batches` of a buffer of ``size`` records."""
+    return -(-size // check_batch_size(batch_size))
+
+
+class EpochPlan:
+    """The positions an :meth:`Buffer.epoch_iterator` reads, its arguments checked when
+    made (in this order: batch size, epochs, seed, fields, device, the two flags)."""
+
+    def __init__(self, config: BufferConfig, batch_size: Any, n_epochs: Any, shuffle: Any,
+                 seed: Any, drop_last: Any, fields: Sequence[str] | None, device: Any):
+        self.batch_size = check_batch_size(batch_size)
+        self.n_epochs = check_count("n_epochs", n_epochs, MAX_EPOCHS)
+        self._rng = np.random.default_rng(check_seed(seed))
+        self.names = check_fields(config, fields)
+        check_device(device)
+        if not isinstance(shuffle, bool) or not isinstance(drop_last, bool):
+            raise InvalidArgumentError("shuffle and drop_last must be True or False")
+        self.shuffle, self.drop_last = shuffle, drop_last
+
+    def epoch(self, n: int) -> Iterator[np.ndarray]:
+        """The positions of each batch of one epoch over the ``n`` records held now."""
+        order = self._rng.permutation(n) if self.shuffle else np.arange(n)
+        stop = n - n % self.batch_size if self.drop_last else n
+        for start in range(0, stop, self.batch_size):
+            yield order[start:start + self.batch_size]

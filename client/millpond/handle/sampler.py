@@ -56,21 +56,8 @@ class Sampler:
     ):
         if not callable(sample):
             raise InvalidArgumentError("sample must be callable")
-        batch_size = check_batch_size(batch_size)
-        if not is_integral(prefetch) or isinstance(prefetch, bool) or prefetch < 1:
-            raise InvalidArgumentError(f"prefetch must be an integer >= 1, got {prefetch!r}")
-        seed = check_seed(seed)
-        if max_batches is not None and (
-            not is_integral(max_batches) or isinstance(max_batches, bool)
-            or max_batches < 0
-        ):
-            raise InvalidArgumentError(
-                f"max_batches must be None or an integer >= 0, got {max_batches!r}"
-            )
-        self.batch_size = batch_size
-        self.prefetch = int(prefetch)
-        self.seed = seed
-        self.max_batches = None if max_batches is None else int(max_batches)
+        self.batch_size, self.prefetch, self.seed, self.max_batches = sampler_arguments(
+            batch_size, prefetch, seed, max_batches)
         self._state = _SamplerState(sample, batch_size, self.prefetch, seed, self.max_batches)
         # Dropped without close(): stop the workers (they hold the state only).
         self._finalizer = weakref.finalize(self, _shut_from_finalizer, self._state)
@@ -102,6 +89,24 @@ class Sampler:
             f"Sampler(batch_size={self.batch_size}, prefetch={self.prefetch}, seed={self.seed}, "
             f"max_batches={self.max_batches}, closed={self.closed})"
         )
+
+
+def sampler_arguments(batch_size: Any, prefetch: Any, seed: Any, max_batches: Any
+                      ) -> tuple[int, int, int | None, int | None]:
+    """``(batch_size, prefetch, seed, max_batches)`` of a sampler (this one, or millpond.aio's
+    ``samples``), checked."""
+    batch_size = check_batch_size(batch_size)
+    if not is_integral(prefetch) or isinstance(prefetch, bool) or prefetch < 1:
+        raise InvalidArgumentError(f"prefetch must be an integer >= 1, got {prefetch!r}")
+    seed = check_seed(seed)
+    if max_batches is not None and (
+        not is_integral(max_batches) or isinstance(max_batches, bool)
+        or max_batches < 0
+    ):
+        raise InvalidArgumentError(
+            f"max_batches must be None or an integer >= 0, got {max_batches!r}"
+        )
+    return batch_size, int(prefetch), seed, None if max_batches is None else int(max_batches)
 
 
 class _SamplerState:

@@ -14,7 +14,7 @@ Bulk calls go through the connection's transport seam
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -224,7 +224,7 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
     def read_chunk(self, record_nbytes: int) -> int:
         """Records of ``record_nbytes`` each that one read's reply may carry (the client's
         message limit; the server's may be lower: then it says MessageTooLargeError)."""
-        return max(1, (self._client.max_message_bytes - FRAMING_BYTES) // max(1, record_nbytes))
+        return read_chunk(self._client.max_message_bytes, record_nbytes)
 
     def checkpoint(self, path: str | os.PathLike, *,
                    progress: Callable[[int, int], None] | None = None,
@@ -277,23 +277,57 @@ def read_all(backend: "RemoteBuffer | ShardedBuffer", fields: Sequence[str] | No
     ``range(len)`` as ``len`` is now, in reads of at most what one reply may carry, each
     resolved by the daemon under the buffer's lock. With pushes going on meanwhile,
     records evicted between two reads shift the positions of the next one."""
-    config = backend.config
-    names = list(fields) if fields is not None else None  # (checked by the handle)
-    schema = config.schema
-    n = len(backend)
-    step = backend.read_chunk(sum(schema[name].nbytes for name in names or schema.names) + 1)
-    out: dict[str, np.ndarray] | None = None
-    for start in range(0, n, step):
-        batch = backend.read(np.arange(start, min(n, start + step)), names, positions=True)
-        del batch["live"]  # every position names a live record
-        if step >= n:  # one reply: its arrays as they came
-            return batch
-        if out is None:
-            out = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+    contents = Contents(backend.config, fields, len(backend), backend.read_chunk)
+    for positions in contents.reads():
+        contents.add(backend.read(positions, contents.names, positions=True))
+    return contents.result()
+
+
+def read_chunk(max_message_bytes: int, record_nbytes: int) -> int:
+    """Records of ``record_nbytes`` each that one read's reply may carry, under a client's
+    message limit of ``max_message_bytes``."""
+    return max(1, (max_message_bytes - FRAMING_BYTES) // max(1, record_nbytes))
+
+
+class Contents:
+    """Every record of a buffer of ``n`` records, read in reads of at most ``chunk(record
+    bytes)`` records each: the positions of each read (:meth:`reads`), then each read's
+    reply (:meth:`add`, in order) make the :meth:`result`. Shared by :func:`read_all` and
+    millpond.aio's ``sample_all``, whose reads are awaited."""
+
+    def __init__(self, config: BufferConfig, fields: Sequence[str] | None, n: int,
+                 chunk: Callable[[int], int]):
+        self.config = config
+        self.names = list(fields) if fields is not None else None  # (checked by the handle)
+        self.n = n
+        schema = config.schema
+        self.step = chunk(sum(schema[name].nbytes for name in self.names or schema.names) + 1)
+        self._out: dict[str, np.ndarray] | None = None
+        self._start = 0
+
+    def reads(self) -> Iterator[np.ndarray]:
+        """The positions each read asks for."""
+        for start in range(0, self.n, self.step):
+            yield np.arange(start, min(self.n, start + self.step))
+
+    def add(self, batch: dict[str, np.ndarray]) -> None:
+        """The reply to the next read (its ``live`` column is dropped: every position
+        names a live record)."""
+        del batch["live"]
+        if self.step >= self.n:  # one reply: its arrays as they came
+            self._out = batch
+            return
+        n, start = self.n, self._start
+        if self._out is None:
+            self._out = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in batch.items()}
         rows = len(next(iter(batch.values())))
         for name, column in batch.items():
-            out[name][start:start + rows] = column
-    if out is None:  # empty
-        out = {name: np.empty((0, *schema[name].shape), schema[name].dtype)
-               for name in names or schema.names}
-    return out
+            self._out[name][start:start + rows] = column
+        self._start = start + self.step
+
+    def result(self) -> dict[str, np.ndarray]:
+        if self._out is None:  # empty
+            schema = self.config.schema
+            return {name: np.empty((0, *schema[name].shape), schema[name].dtype)
+                    for name in self.names or schema.names}
+        return self._out

@@ -26,16 +26,15 @@ or a use-limited buffer's records are not consumed by a reply that could not arr
 No reply is trusted: every reply decoded here is checked against the buffer's
 config and the request before it is returned, and one that cannot be the
 answer raises :class:`~millpond.errors.ProtocolError` naming the server. The
-columns of every reply framed like a SampleReply in :meth:`GrpcTransport._checked`,
-every BufferInfo in :meth:`GrpcTransport._info`, the counts (pushes,
-``update_priorities``) in :mod:`millpond.remote.replies`. Names, dtypes and
-shapes only: no check reads the data.
+checks are those of :mod:`millpond.remote.replies`, and requests and replies are
+built and read by :mod:`millpond.remote.grpc_calls`, both shared with the asyncio
+transport (:mod:`millpond.remote.aio_transport`). Names, dtypes and shapes only: no
+check reads the data.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import time
 from typing import Any, Callable
 
@@ -45,45 +44,22 @@ import numpy as np
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo
 from millpond.core.schema import Schema
-from millpond.core.sequences import (
-    Spec,
-    catalog_specs,
-    episode_specs,
-    n_step_specs,
-    read_specs,
-    sequence_specs,
-)
+from millpond.core.sequences import Spec, n_step_specs, read_specs, sequence_specs
 from millpond.core.snapshot import CheckpointResult
-from millpond.errors import (
-    DeadlineExceededError,
-    MessageTooLargeError,
-    ProtocolError,
-    ReplayError,
-    ServerStartingError,
-)
-from millpond.remote import replies
+from millpond.errors import DeadlineExceededError, ProtocolError, ReplayError, ServerStartingError
+from millpond.remote import grpc_calls, replies
+from millpond.remote.grpc_calls import FRAMING_BYTES  # noqa: F401 (where callers look for it)
+from millpond.remote.grpc_calls import plain_sample_request as _plain_sample_request
+from millpond.remote.grpc_calls import sample_specs as _sample_specs
 from millpond.remote.grpc_streams import ThreadStreams
 from millpond.remote.push_window import PushWindow
-from millpond.remote.shm.protocol import SAMPLE_EXTRAS
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc as pb_grpc
 from millpond.wire.codec import config_to_proto, info_from_proto
 from millpond.wire.episodic import encode_meta, encode_updates
-from millpond.wire.frames import (
-    MAX_RECEIVE_KEY,
-    PUSH_BATCH_FIELD,
-    PUSH_UPDATES_FIELD,
-    SAMPLE_BATCH_FIELD,
-    decode_batch_field,
-    encode_messages,
-    encode_with_batch,
-)
-from millpond.wire.inplace import sole_writable
+from millpond.wire.frames import MAX_RECEIVE_KEY
 from millpond.wire.status import error_from_rpc
 
-# Protobuf framing per column (name, dtype, shape, length prefixes) is tiny;
-# this margin keeps size checks honest without computing it exactly.
-FRAMING_BYTES = 64 * 1024
 # Calls sent on streams (see grpc_streams) move at most this each way: where a call's
 # setup costs as much as its message. The daemon keeps a stream's last request until
 # the next one arrives, and a reply that came on a stream is not handed out as writable
@@ -178,10 +154,7 @@ class GrpcTransport:
         try:
             probe(b"", timeout=0.2, metadata=self.metadata)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                return DeadlineExceededError(
-                    f"{error}: the server was never reached ({exc.details()}); is it up, and "
-                    "do TLS settings agree (tls=, tls_ca=, tls_cert=/tls_key= or MILLPOND_TLS_*)?")
+            return grpc_calls.unreached(error, exc)
         return error
 
     # ---- bulk ---------------------------------------------------------------------
@@ -193,16 +166,8 @@ class GrpcTransport:
         """Store a batch; with ``window``, return once it is sent (acknowledged later:
         see :class:`PushWindow`). ``capacity``: the buffer's, to check the reply against
         (see :func:`millpond.remote.replies.pushed`)."""
-        nbytes = n * schema.record_nbytes + FRAMING_BYTES
-        if nbytes > self.max_message_bytes:
-            raise MessageTooLargeError(
-                f"push_batch of {n:,} records is {nbytes:,} bytes, over the client's message "
-                f"limit of {self.max_message_bytes:,} bytes (max_message_mb); split it into "
-                "smaller batches")
-        request = encode_with_batch(PUSH_BATCH_FIELD, columns, buffer, priorities, timeout)
-        if updates:  # episode meta and ends, applied with the records
-            request += encode_messages(PUSH_UPDATES_FIELD, [
-                u.SerializeToString() for u in encode_updates(buffer, updates).updates])
+        request = grpc_calls.push_request(buffer, n, columns, schema, priorities, timeout,
+                                          updates, self.max_message_bytes)
         if window is not None:
             window.send(request, deadline, functools.partial(
                 self._pushed, n=n, capacity=capacity))
@@ -238,51 +203,29 @@ class GrpcTransport:
 
     def _checked(self, columns: dict[str, np.ndarray], specs: Spec, what: str
                  ) -> dict[str, np.ndarray]:
-        """``columns`` if they are exactly the arrays of ``specs`` (name, dtype, whole
-        shape: what the engine returns for the request, as :mod:`millpond.core.sequences`
-        describes it); else ProtocolError. No more, no fewer names; each array of that
-        dtype and shape, rows included. A few comparisons per column: it runs on every
-        sample."""
-        if len(columns) != len(specs) or any(name not in columns for name, _, _ in specs):
-            raise replies.refused(self.address, what, f"columns {sorted(columns)[:20]}, not "
-                                  f"{sorted(name for name, _, _ in specs)}")
-        for name, dtype, shape in specs:
-            column = columns[name]
-            if column.dtype != dtype or column.shape != shape:
-                raise replies.refused(self.address, what, f"{name} {column.dtype}"
-                                      f"{list(column.shape)}, not {np.dtype(dtype)}{list(shape)}")
-        return columns
+        """``columns`` if they are exactly the arrays of ``specs``; else ProtocolError
+        (:func:`millpond.remote.replies.columns`)."""
+        return replies.columns(columns, specs, what, self.address)
 
-    def _columns(self, reply: bytes) -> dict[str, np.ndarray]:
-        """The arrays of a reply framed like a SampleReply."""
-        # The caller may modify the arrays in place, as with in-process results.
-        # The reply is new and ours alone (checked): its columns are writable
-        # views of it, the aligned ones kept as they are; anything else, and
-        # every column of a reply someone else might see, is copied out once.
-        whole = sole_writable(reply)
-        columns = decode_batch_field(reply if whole is None else whole.data,
-                                     SAMPLE_BATCH_FIELD)
-        return {name: column if whole is not None and column.flags.aligned else np.array(column)
-                for name, column in columns.items()}
+    # The arrays of a reply framed like a SampleReply (called on the reply alone: see
+    # grpc_calls.reply_columns, whose view of references a method in between would change).
+    _columns = staticmethod(grpc_calls.reply_columns)
 
     # ---- episodic buffers -----------------------------------------------------------
 
     def sample_n_step(self, buffer: str, config: BufferConfig, batch_size: int,
                       filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
                       timeout: float, deadline: float) -> dict[str, np.ndarray]:
-        request = pb.SampleRequest(name=buffer, batch_size=batch_size, seed=params["seed"],
-                                   timeout=timeout, filter_meta=encode_meta(filter_meta),
-                                   n_step=params["n_step"], gamma=params["gamma"])
-        columns = self._columns(self.invoke(self._sample, request.SerializeToString(), deadline))
+        request = grpc_calls.sample_request(buffer, batch_size, params["seed"], timeout,
+                                            filter_meta, params["n_step"], params["gamma"])
+        columns = self._columns(self.invoke(self._sample, request, deadline))
         return self._checked(columns, n_step_specs(config, batch_size),
                              f"sample({batch_size}, n_step={params['n_step']})")
 
     def sample_sequences(self, buffer: str, config: BufferConfig, batch_size: int,
                          filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
                          timeout: float, deadline: float) -> dict[str, np.ndarray]:
-        request = pb.SampleSequencesRequest(
-            name=buffer, batch_size=batch_size, seq_len=params["seq_len"], seed=params["seed"],
-            timeout=timeout, filter_meta=encode_meta(filter_meta))
+        request = grpc_calls.sequences_request(buffer, batch_size, filter_meta, params, timeout)
         columns = self._columns(self.invoke(self._bytes["SampleSequences"], request, deadline))
         return self._checked(columns, sequence_specs(config, batch_size, params["seq_len"]),
                              f"sample_sequences({batch_size}, {params['seq_len']})")
@@ -290,42 +233,21 @@ class GrpcTransport:
     def sample_episodes(self, buffer: str, config: BufferConfig, batch_size: int,
                         filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
                         timeout: float, deadline: float) -> dict[str, np.ndarray]:
-        request = pb.SampleEpisodesRequest(
-            name=buffer, batch_size=batch_size, seed=params["seed"], max_len=params["max_len"],
-            timeout=timeout, filter_meta=encode_meta(filter_meta))
+        request = grpc_calls.episodes_request(buffer, batch_size, filter_meta, params, timeout)
         columns = self._columns(self.invoke(self._bytes["SampleEpisodes"], request, deadline))
-        what, width = f"sample_episodes({batch_size})", params["max_len"]
-        if width is None:  # the longest drawn: no longer than the buffer holds
-            mask = columns.get("mask")
-            width = mask.shape[1] if mask is not None and mask.ndim == 2 else 0
-            if not 0 < width <= config.total_capacity:
-                raise replies.refused(self.address, what, f"episodes {width:,} steps wide, "
-                                      f"in a buffer of {config.total_capacity:,} records")
-        return self._checked(columns, episode_specs(config, batch_size, width), what)
+        return replies.episodes(columns, config, batch_size, params["max_len"], self.address)
 
     def episode_catalog(self, buffer: str, config: BufferConfig,
                         filter_meta: dict[str, np.ndarray] | None,
                         deadline: float) -> dict[str, np.ndarray]:
-        request = pb.EpisodeCatalogRequest(name=buffer, filter_meta=encode_meta(filter_meta))
+        request = grpc_calls.catalog_request(buffer, filter_meta)
         columns = self._columns(self.invoke(self._bytes["EpisodeCatalog"], request, deadline))
-        lens, seqs = columns.get("lens"), columns.get("seqs")
-        episodes, records = (len(a) if a is not None and a.ndim else 0 for a in (lens, seqs))
-        self._checked(columns, catalog_specs(config, episodes, records), "episode_catalog")
-        assert lens is not None  # (checked)
-        # Not a learner's hot call: the lengths (one per episode) are summed.
-        if records > config.total_capacity or (episodes and (
-                lens.min() < 1 or int(lens.sum()) != records)):
-            raise replies.refused(self.address, "episode_catalog", f"{episodes:,} episodes "
-                                  f"of {records:,} records in all, their lengths summing to "
-                                  f"{int(lens.sum()):,}, in a buffer of "
-                                  f"{config.total_capacity:,} records")
-        return columns
+        return replies.catalog(columns, config, self.address)
 
     def read(self, buffer: str, config: BufferConfig, seqs: np.ndarray, names: list[str] | None,
              deadline: float, positions: bool = False, episode_ids: bool = False
              ) -> dict[str, np.ndarray]:
-        request = pb.ReadRequest(name=buffer, seqs=seqs.tolist(), fields=names or [],
-                                 positions=positions, episode_ids=episode_ids)
+        request = grpc_calls.read_request(buffer, seqs, names, positions, episode_ids)
         columns = self._columns(self.invoke(self._bytes["Read"], request, deadline))
         return self._checked(columns, read_specs(config, len(seqs), names, episode_ids),
                              f"read of {len(seqs)} records")
@@ -340,8 +262,7 @@ class GrpcTransport:
 
     def update_priorities(self, buffer: str, indices: np.ndarray, priorities: np.ndarray,
                           deadline: float) -> int:
-        request = pb.UpdatePrioritiesRequest(name=buffer, indices=indices.tolist(),
-                                             priorities=priorities.tolist())
+        request = grpc_calls.update_priorities_request(buffer, indices, priorities)
         updated = self.invoke(self.stub.UpdatePriorities, request, deadline).updated
         return replies.count(updated, len(indices), self.address,
                              f"update_priorities of {len(indices):,} records")
@@ -357,15 +278,7 @@ class GrpcTransport:
         it is equal), else ProtocolError: handles check every later reply against it."""
         request = pb.CreateRequest(name=name, config=config_to_proto(config))
         reply = self.invoke(self.stub.Create, request, deadline)
-        info = self._info(reply.info)
-        if info.config is None:  # (only a held buffer's info lacks one, and Create refuses those)
-            raise replies.refused(self.address, f"Create of buffer {name!r}", "no config")
-        if info.config != config:  # made with it, or attached where it is equal
-            raise replies.refused(self.address, f"Create of buffer {name!r}", "its config "
-                                  + "; ".join(f"{setting}: {has}, asked for {wants}" for
-                                              setting, has, wants in info.config.differences(
-                                                  config)))
-        return info, reply.created
+        return replies.created(self._info(reply.info), config, name, self.address), reply.created
 
     def info(self, name: str, deadline: float, include_unavailable: bool = False) -> BufferInfo:
         """``name``'s info; a buffer held out of service raises BufferDamagedError, unless
@@ -374,27 +287,9 @@ class GrpcTransport:
         return self._info(self.invoke(self.stub.Info, request, deadline))
 
     def _info(self, message: pb.BufferInfo) -> BufferInfo:
-        """The info in a reply, if its counts are possible; else ProtocolError (a size or
-        a priority mass beyond belief would skew every draw over shards). Possible:
-        ``0 <= size <= min(total_capacity, pushed)``; complete episodes and episodes
-        in progress (each has a live record) at most ``total_capacity`` together;
-        priority total finite, it and the minimum not negative (nor NaN)."""
-        info = info_from_proto(message)
-        if not info.ok:  # held out of service: no numbers
-            return info
-        episodes = (info.episodes, info.episodes_in_progress)
-        total, least = info.priority_total, info.priority_min
-        if not (0 <= info.size <= min(info.total_capacity, info.pushed)
-                and min(episodes) >= 0 and sum(episodes) <= info.total_capacity
-                and (total is None or 0 <= total < math.inf)
-                and (least is None or 0 <= least)):  # (inf when empty; never NaN)
-            raise ProtocolError(
-                f"the server at {self.address or '?'} reported buffer {info.name!r} holding "
-                f"{info.size:,} records, {info.episodes:,} complete episodes and "
-                f"{info.episodes_in_progress:,} in progress, priority total and minimum "
-                f"{info.priority_total} and {info.priority_min}, with capacity "
-                f"{info.total_capacity:,} and {info.pushed:,} pushed")
-        return info
+        """The info in a reply, if its counts are possible; else ProtocolError
+        (:func:`millpond.remote.replies.info`)."""
+        return replies.info(info_from_proto(message), self.address)
 
     def list(self, deadline: float, include_unavailable: bool = True) -> list[BufferInfo]:
         """Every buffer's info; with ``include_unavailable`` those held out of service too."""
@@ -450,19 +345,3 @@ class GrpcTransport:
 
     def negotiate(self, boot_id: str, deadline: float) -> pb.NegotiateReply:
         return self.invoke(self.stub.Negotiate, pb.NegotiateRequest(boot_id=boot_id), deadline)
-
-
-@functools.lru_cache(maxsize=256)
-def _sample_specs(schema: Schema, batch_size: int, extras: bool) -> Spec:
-    """What a sample of ``batch_size`` records of ``schema`` returns (``extras``: a
-    prioritized buffer's :data:`SAMPLE_EXTRAS` too)."""
-    return (*((f.name, f.dtype, (batch_size, *f.shape)) for f in schema),
-            *((name, dtype, (batch_size,)) for name, dtype in SAMPLE_EXTRAS.items() if extras))
-
-
-@functools.lru_cache(maxsize=256)
-def _plain_sample_request(buffer: str, batch_size: int, timeout: float) -> bytes:
-    """A serialized SampleRequest without seed or filter (building one costs a cold
-    client some 10 us a call)."""
-    return pb.SampleRequest(name=buffer, batch_size=batch_size, timeout=timeout
-                            ).SerializeToString()

@@ -1,14 +1,21 @@
-"""The numbers a reply carries, checked the same way whatever the transport.
+"""What a reply may be, checked the same way whatever the transport.
 
 The client trusts no reply: one that cannot be the answer to its request
 raises :class:`~millpond.errors.ProtocolError` naming the server, never a
-wrong result or a raw ``KeyError``. Each transport checks what it decodes in
-one place (gRPC: :meth:`GrpcTransport._checked
-<millpond.remote.grpc_transport.GrpcTransport._checked>` for columns,
-``_info`` for infos; shared memory: :meth:`ShmSession._reply
-<millpond.remote.shm.session.ShmSession._reply>`); the counts both transports
-carry are checked here:
+wrong result or a raw ``KeyError``. The checks live here, so that every
+transport that decodes a reply of a kind checks it alike: both gRPC
+transports (blocking, :mod:`millpond.remote.grpc_transport`, and asyncio,
+:mod:`millpond.remote.aio_transport`) use every check below; shared memory
+checks its own replies in one place (:meth:`ShmSession._reply
+<millpond.remote.shm.session.ShmSession._reply>`) and the counts here.
 
+* columns (samples of every kind, reads, catalogs; :func:`columns`): exactly the
+  names, dtypes and whole shapes the engine returns for the request, as
+  :mod:`millpond.core.sequences` describes them; episodes (:func:`episodes`) no
+  wider than the buffer, a catalog (:func:`catalog`) whose lengths add up to its
+  records;
+* a BufferInfo (:func:`info`): counts that are possible; a Create's (:func:`created`)
+  with the config asked for;
 * a push of ``n`` records answers ``(size, pushed)`` after it:
   ``min(n, capacity) <= size <= min(capacity, pushed)`` and ``pushed >= n``
   (the records just stored are live and counted); on one ordered stream of a
@@ -19,13 +26,20 @@ carry are checked here:
   buffer starts anew), so nothing is asked there;
 * ``update_priorities`` of ``n`` indices answers how many were live: ``0..n``.
 
-Only integers and comparisons: nothing here looks at data.
+Names, dtypes, shapes, integers and comparisons: no check reads the data, but
+for a catalog's lengths (one per episode), which are summed.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
+
+from millpond.core.config import BufferConfig
+from millpond.core.info import BufferInfo
+from millpond.core.sequences import Spec, catalog_specs, episode_specs
 from millpond.errors import ProtocolError
 
 
@@ -58,6 +72,93 @@ def pushed(size: Any, pushed: Any, n: int, capacity: int | None, after: int | No
                       f"{pushed:,} records ever pushed, after {after:,} in the reply before "
                       "it on the same stream")
     return pushed
+
+
+def columns(columns: dict[str, np.ndarray], specs: Spec, what: str, server: str
+            ) -> dict[str, np.ndarray]:
+    """``columns`` if they are exactly the arrays of ``specs`` (name, dtype, whole
+    shape: what the engine returns for the request, as :mod:`millpond.core.sequences`
+    describes it); else ProtocolError. No more, no fewer names; each array of that
+    dtype and shape, rows included. A few comparisons per column: it runs on every
+    sample."""
+    if len(columns) != len(specs) or any(name not in columns for name, _, _ in specs):
+        raise refused(server, what, f"columns {sorted(columns)[:20]}, not "
+                      f"{sorted(name for name, _, _ in specs)}")
+    for name, dtype, shape in specs:
+        column = columns[name]
+        if column.dtype != dtype or column.shape != shape:
+            raise refused(server, what, f"{name} {column.dtype}"
+                          f"{list(column.shape)}, not {np.dtype(dtype)}{list(shape)}")
+    return columns
+
+
+def episodes(found: dict[str, np.ndarray], config: BufferConfig, batch_size: int,
+             max_len: int | None, server: str) -> dict[str, np.ndarray]:
+    """The columns of a sample_episodes reply, checked: ``max_len`` wide, or (None) as wide
+    as the longest episode drawn, which the buffer could hold."""
+    what, width = f"sample_episodes({batch_size})", max_len
+    if width is None:  # the longest drawn: no longer than the buffer holds
+        mask = found.get("mask")
+        width = mask.shape[1] if mask is not None and mask.ndim == 2 else 0
+        if not 0 < width <= config.total_capacity:
+            raise refused(server, what, f"episodes {width:,} steps wide, "
+                          f"in a buffer of {config.total_capacity:,} records")
+    return columns(found, episode_specs(config, batch_size, width), what, server)
+
+
+def catalog(found: dict[str, np.ndarray], config: BufferConfig, server: str
+            ) -> dict[str, np.ndarray]:
+    """The columns of an episode_catalog reply, checked: its episodes' lengths add up to
+    its records, at most the buffer's capacity."""
+    lens, seqs = found.get("lens"), found.get("seqs")
+    n_episodes, records = (len(a) if a is not None and a.ndim else 0 for a in (lens, seqs))
+    columns(found, catalog_specs(config, n_episodes, records), "episode_catalog", server)
+    assert lens is not None  # (checked)
+    # Not a learner's hot call: the lengths (one per episode) are summed.
+    if records > config.total_capacity or (n_episodes and (
+            lens.min() < 1 or int(lens.sum()) != records)):
+        raise refused(server, "episode_catalog", f"{n_episodes:,} episodes "
+                      f"of {records:,} records in all, their lengths summing to "
+                      f"{int(lens.sum()):,}, in a buffer of "
+                      f"{config.total_capacity:,} records")
+    return found
+
+
+def info(info: BufferInfo, server: str) -> BufferInfo:
+    """``info`` (decoded from a reply), if its counts are possible; else ProtocolError (a
+    size or a priority mass beyond belief would skew every draw over shards). Possible:
+    ``0 <= size <= min(total_capacity, pushed)``; complete episodes and episodes
+    in progress (each has a live record) at most ``total_capacity`` together;
+    priority total finite, it and the minimum not negative (nor NaN). A buffer held out
+    of service has no numbers to check."""
+    if not info.ok:
+        return info
+    n_episodes = (info.episodes, info.episodes_in_progress)
+    total, least = info.priority_total, info.priority_min
+    if not (0 <= info.size <= min(info.total_capacity, info.pushed)
+            and min(n_episodes) >= 0 and sum(n_episodes) <= info.total_capacity
+            and (total is None or 0 <= total < math.inf)
+            and (least is None or 0 <= least)):  # (inf when empty; never NaN)
+        raise ProtocolError(
+            f"the server at {server or '?'} reported buffer {info.name!r} holding "
+            f"{info.size:,} records, {info.episodes:,} complete episodes and "
+            f"{info.episodes_in_progress:,} in progress, priority total and minimum "
+            f"{info.priority_total} and {info.priority_min}, with capacity "
+            f"{info.total_capacity:,} and {info.pushed:,} pushed")
+    return info
+
+
+def created(info: BufferInfo, config: BufferConfig, name: str, server: str) -> BufferInfo:
+    """The (checked) info of a Create of ``name`` with ``config``, if it has that config
+    (a buffer is made with it, or attached where it is equal); else ProtocolError:
+    handles check every later reply against it."""
+    if info.config is None:  # (only a held buffer's info lacks one, and Create refuses those)
+        raise refused(server, f"Create of buffer {name!r}", "no config")
+    if info.config != config:
+        raise refused(server, f"Create of buffer {name!r}", "its config " + "; ".join(
+            f"{setting}: {has}, asked for {wants}"
+            for setting, has, wants in info.config.differences(config)))
+    return info
 
 
 def _integer(value: Any) -> bool:

@@ -101,13 +101,20 @@ class Credentials:
         """A new channel to ``address``: TLS when configured, else plaintext."""
         if not self.tls:
             return grpc.insecure_channel(address, options=options)
+        return grpc.secure_channel(address, self._tls_credentials(), options=options)
 
+    def aio_channel(self, address: str, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+        """:meth:`channel`'s asyncio twin (for :mod:`millpond.aio`; made in its event loop)."""
+        if not self.tls:
+            return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.secure_channel(address, self._tls_credentials(), options=options)
+
+    def _tls_credentials(self) -> grpc.ChannelCredentials:
         def read(path: str | None) -> bytes | None:
             if path is None:
                 return None
             with open(path, "rb") as f:
                 return f.read()
 
-        credentials = grpc.ssl_channel_credentials(
+        return grpc.ssl_channel_credentials(
             read(self.tls_ca), read(self.tls_key), read(self.tls_cert))
-        return grpc.secure_channel(address, credentials, options=options)

@@ -11,7 +11,7 @@ batch goes) and ``delete``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
@@ -70,9 +70,7 @@ class QueuedWrites:
         checked = check_updates(self.config, updates) if updates else None
         limit = self._client.push_batch_size
         if priority is not None or timeout is not None or checked or limit <= 1:  # sent now
-            self._check_priorities_allowed(priority)
-            prios = None if priority is None else check_priorities([priority], 1)
-            batch = self.schema.coerce_record(record)
+            prios, batch = checked_record(self.config, record, priority)
             self._flush_queued()
             self._send(1, batch, prios, timeout, ids, checked)
             return
@@ -97,15 +95,10 @@ class QueuedWrites:
         (None: the client's timeout).
         """
         self._check_open()
-        timeout = check_timeout(timeout)
-        n, batch = self.schema.coerce_batch(columns)
-        ids = check_push_episodes(self.config, episodes, n)
-        checked = check_updates(self.config, updates) if updates else None
-        self._check_priorities_allowed(priorities)
-        prios = None if priorities is None else check_priorities(priorities, n)
+        push = checked_push(self.config, columns, priorities, episodes, updates, timeout)
         self._flush_queued()
-        self._send(n, batch, prios, timeout, ids, checked)
-        return n
+        self._send(*push)
+        return push.n
 
     def flush(self) -> None:
         """Return once every record queued by ``push`` is stored."""
@@ -122,8 +115,7 @@ class QueuedWrites:
         self._send(len(next(iter(columns.values()))), columns, None, None, ids)
 
     def _check_priorities_allowed(self, priorities: Any) -> None:
-        if priorities is not None and self.config.prioritized is None:
-            raise InvalidArgumentError("priorities are for prioritized buffers; this one is uniform")
+        check_priorities_allowed(self.config, priorities)
 
     # ---- lifecycle ------------------------------------------------------------
 
@@ -150,3 +142,44 @@ class QueuedWrites:
     def _check_open(self) -> None:
         if self._closed:
             raise BufferClosedError(f"buffer {self.name!r} was closed")
+
+
+class CheckedPush(NamedTuple):
+    """A push's arguments, validated and coerced as the engine will take them (the
+    arguments of a backend's ``_send``, in its order)."""
+
+    n: int
+    batch: dict[str, np.ndarray]
+    priorities: np.ndarray | None
+    timeout: float | None
+    episodes: np.ndarray | None
+    updates: list | None
+
+
+def checked_push(config: BufferConfig, columns: Mapping[str, Any], priorities: Any,
+                 episodes: Any, updates: Any, timeout: Any) -> CheckedPush:
+    """The arguments of a ``push_batch`` of ``columns`` (bound to field names), checked
+    as :meth:`QueuedWrites.push_batch` and millpond.aio's push check them: the whole
+    batch before any of it is sent."""
+    timeout = check_timeout(timeout)
+    n, batch = config.schema.coerce_batch(columns)
+    ids = check_push_episodes(config, episodes, n)
+    checked = check_updates(config, updates) if updates else None
+    check_priorities_allowed(config, priorities)
+    prios = None if priorities is None else check_priorities(priorities, n)
+    return CheckedPush(n, batch, prios, timeout, ids, checked)
+
+
+def checked_record(config: BufferConfig, record: Mapping[str, Any], priority: Any
+                   ) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
+    """``(priorities, batch)`` of a ``push`` of one ``record`` sent at once (not queued),
+    checked: its ``priority`` (prioritized buffers only), then the record."""
+    check_priorities_allowed(config, priority)
+    prios = None if priority is None else check_priorities([priority], 1)
+    return prios, config.schema.coerce_record(record)
+
+
+def check_priorities_allowed(config: BufferConfig, priorities: Any) -> None:
+    """InvalidArgumentError if ``priorities`` are given to a uniform buffer."""
+    if priorities is not None and config.prioritized is None:
+        raise InvalidArgumentError("priorities are for prioritized buffers; this one is uniform")

@@ -1,0 +1,142 @@
+"""What the client's gRPC calls send, and how their replies are read: shared by both gRPC
+transports.
+
+The blocking transport (:mod:`millpond.remote.grpc_transport`: threads, each with its
+open streams) and the asyncio one (:mod:`millpond.remote.aio_transport`: coroutines on a
+``grpc.aio`` channel) make their calls differently, and build and read them here, the
+same way: the same bytes go out, and a reply that one refuses the other refuses too
+(the checks themselves: :mod:`millpond.remote.replies`). Everything here is a pure
+function of its arguments: no channel, no I/O, no waiting.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import grpc
+import numpy as np
+
+from millpond.core.schema import Schema
+from millpond.core.sequences import Spec
+from millpond.errors import DeadlineExceededError, MessageTooLargeError
+from millpond.remote.shm.protocol import SAMPLE_EXTRAS
+from millpond.v1 import replay_pb2 as pb
+from millpond.wire.episodic import encode_meta, encode_updates
+from millpond.wire.frames import (
+    PUSH_BATCH_FIELD,
+    PUSH_UPDATES_FIELD,
+    SAMPLE_BATCH_FIELD,
+    decode_batch_field,
+    encode_messages,
+    encode_with_batch,
+)
+from millpond.wire.inplace import sole_writable
+
+# Protobuf framing per column (name, dtype, shape, length prefixes) is tiny;
+# this margin keeps size checks honest without computing it exactly.
+FRAMING_BYTES = 64 * 1024
+
+
+def push_request(buffer: str, n: int, columns: dict[str, np.ndarray], schema: Schema,
+                 priorities: np.ndarray | None, timeout: float, updates: list | None,
+                 max_message_bytes: int) -> bytes:
+    """A serialized PushBatchRequest of ``n`` records (``columns``, validated already), or
+    MessageTooLargeError before anything is sent if it would exceed ``max_message_bytes``."""
+    nbytes = n * schema.record_nbytes + FRAMING_BYTES
+    if nbytes > max_message_bytes:
+        raise MessageTooLargeError(
+            f"push_batch of {n:,} records is {nbytes:,} bytes, over the client's message "
+            f"limit of {max_message_bytes:,} bytes (max_message_mb); split it into "
+            "smaller batches")
+    request = encode_with_batch(PUSH_BATCH_FIELD, columns, buffer, priorities, timeout)
+    if updates:  # episode meta and ends, applied with the records
+        request += encode_messages(PUSH_UPDATES_FIELD, [
+            u.SerializeToString() for u in encode_updates(buffer, updates).updates])
+    return request
+
+
+def sample_request(buffer: str, batch_size: int, seed: int | None, timeout: float,
+                   filter_meta: dict[str, np.ndarray] | None = None,
+                   n_step: int | None = None, gamma: float = 0.0) -> bytes:
+    """A serialized SampleRequest (``n_step``: of n-step transitions, discounted by ``gamma``)."""
+    if seed is None and filter_meta is None and n_step is None:  # a learner's usual call
+        return plain_sample_request(buffer, batch_size, timeout)
+    request = pb.SampleRequest(name=buffer, batch_size=batch_size, seed=seed, timeout=timeout,
+                               filter_meta=encode_meta(filter_meta))
+    if n_step is not None:
+        request.n_step, request.gamma = n_step, gamma
+    return request.SerializeToString()
+
+
+@functools.lru_cache(maxsize=256)
+def plain_sample_request(buffer: str, batch_size: int, timeout: float) -> bytes:
+    """A serialized SampleRequest without seed or filter (building one costs a cold
+    client some 10 us a call)."""
+    return pb.SampleRequest(name=buffer, batch_size=batch_size, timeout=timeout
+                            ).SerializeToString()
+
+
+@functools.lru_cache(maxsize=256)
+def sample_specs(schema: Schema, batch_size: int, extras: bool) -> Spec:
+    """What a sample of ``batch_size`` records of ``schema`` returns (``extras``: a
+    prioritized buffer's :data:`SAMPLE_EXTRAS` too)."""
+    return (*((f.name, f.dtype, (batch_size, *f.shape)) for f in schema),
+            *((name, dtype, (batch_size,)) for name, dtype in SAMPLE_EXTRAS.items() if extras))
+
+
+def sequences_request(buffer: str, batch_size: int, filter_meta: dict[str, np.ndarray] | None,
+                      params: dict[str, Any], timeout: float) -> pb.SampleSequencesRequest:
+    return pb.SampleSequencesRequest(
+        name=buffer, batch_size=batch_size, seq_len=params["seq_len"], seed=params["seed"],
+        timeout=timeout, filter_meta=encode_meta(filter_meta))
+
+
+def episodes_request(buffer: str, batch_size: int, filter_meta: dict[str, np.ndarray] | None,
+                     params: dict[str, Any], timeout: float) -> pb.SampleEpisodesRequest:
+    return pb.SampleEpisodesRequest(
+        name=buffer, batch_size=batch_size, seed=params["seed"], max_len=params["max_len"],
+        timeout=timeout, filter_meta=encode_meta(filter_meta))
+
+
+def catalog_request(buffer: str, filter_meta: dict[str, np.ndarray] | None
+                    ) -> pb.EpisodeCatalogRequest:
+    return pb.EpisodeCatalogRequest(name=buffer, filter_meta=encode_meta(filter_meta))
+
+
+def read_request(buffer: str, seqs: np.ndarray, names: list[str] | None, positions: bool,
+                 episode_ids: bool) -> pb.ReadRequest:
+    return pb.ReadRequest(name=buffer, seqs=seqs.tolist(), fields=names or [],
+                          positions=positions, episode_ids=episode_ids)
+
+
+def update_priorities_request(buffer: str, indices: np.ndarray, priorities: np.ndarray
+                              ) -> pb.UpdatePrioritiesRequest:
+    return pb.UpdatePrioritiesRequest(name=buffer, indices=indices.tolist(),
+                                      priorities=priorities.tolist())
+
+
+def reply_columns(reply: bytes) -> dict[str, np.ndarray]:
+    """The arrays of a reply framed like a SampleReply. Call it on the reply itself, held
+    by nothing else (``reply_columns(await call(...))``): see below."""
+    # The caller may modify the arrays in place, as with in-process results.
+    # The reply is new and ours alone (checked): its columns are writable
+    # views of it, the aligned ones kept as they are; anything else, and
+    # every column of a reply someone else might see, is copied out once.
+    whole = sole_writable(reply)
+    columns = decode_batch_field(reply if whole is None else whole.data, SAMPLE_BATCH_FIELD)
+    return {name: column if whole is not None and column.flags.aligned else np.array(column)
+            for name, column in columns.items()}
+
+
+def unreached(error: DeadlineExceededError, probe: grpc.RpcError | None
+              ) -> DeadlineExceededError:
+    """What a call that waited its whole deadline says, given how a health check made
+    without waiting (``probe``: its error, None if it was answered) fared: a TLS mismatch
+    (plaintext to a TLS server, an unknown CA, no client certificate) looks to a waiting
+    call like a server that is not up, and the channel knows its last connection error."""
+    if probe is not None and probe.code() == grpc.StatusCode.UNAVAILABLE:
+        return DeadlineExceededError(
+            f"{error}: the server was never reached ({probe.details()}); is it up, and "
+            "do TLS settings agree (tls=, tls_ca=, tls_cert=/tls_key= or MILLPOND_TLS_*)?")
+    return error
