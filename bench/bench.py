@@ -45,8 +45,8 @@ from bench_backup import section as backup_section  # noqa: E402
 from bench_contention import section as contention_section  # noqa: E402
 from bench_episodes import section as episodes_section  # noqa: E402
 from bench_integrity import section as integrity_section  # noqa: E402
-from bench_pixels import section as pixels_section  # noqa: E402
 from bench_learner import section as learner_section  # noqa: E402
+from bench_pixels import section as pixels_section  # noqa: E402
 from bench_sharded import sharded_section  # noqa: E402
 from grpc_limits import call_rate, grpc_limits_section  # noqa: E402
 from support import ServerProcess  # noqa: E402

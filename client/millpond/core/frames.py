@@ -36,10 +36,12 @@ still in the ring) and is admitted only if the ring then holds every frame a
 record live before it or pushed by it refers to: ``tail + new - head <=
 frame_capacity``, else :class:`StorageFullError` and nothing changes. The
 check counts the records the push evicts as live: a crash before its commit
-leaves them intact (see :mod:`.fifo`). The window is about 1/32 of the ring (at least 64 frames, at most a quarter). The default capacity
+leaves them intact (see :mod:`.fifo`). The window is about 1/32 of the ring (at
+least 64 frames, at most a quarter). The default capacity
 (:func:`default_frame_capacity`) holds 1.25 new frames per record plus slack:
 frame-stacked pixels need about one; data whose frames do not repeat needs
-``frame_capacity`` set (``2 * k * total_capacity`` always suffices).
+``frame_capacity`` set (``2 * k * (total_capacity + largest push)`` always
+suffices).
 
 **Files.** A buffer with a file keeps its rings in it (format 6: regions
 ``frames:<source>``, ``frameid:<source>`` and, persistent, ``framesum:<source>``,
