@@ -46,6 +46,7 @@ from bench_contention import section as contention_section  # noqa: E402
 from bench_episodes import section as episodes_section  # noqa: E402
 from bench_integrity import section as integrity_section  # noqa: E402
 from bench_learner import section as learner_section  # noqa: E402
+from bench_pixels import section as pixels_section  # noqa: E402
 from bench_sharded import sharded_section  # noqa: E402
 from grpc_limits import call_rate, grpc_limits_section  # noqa: E402
 from support import ServerProcess  # noqa: E402
@@ -449,10 +450,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, short timings")
     parser.add_argument("--seconds", type=float, default=None, help="time per measurement")
-    parser.add_argument("--only", choices=["grpc", "load", "integrity", "backup"],
+    parser.add_argument("--only", choices=["grpc", "load", "integrity", "backup", "pixels"],
                         help="only the section 'gRPC beside bare gRPC', 'Under load' (to compare "
                         "two source trees: PYTHONPATH=TREE/client:TREE/server), 'Integrity' "
-                        "(format 5's checksum and commit beside format 4's) or 'Backups'")
+                        "(format 5's checksum and commit beside format 4's), 'Backups' or 'Pixels' "
+                        "(frames stored once, on Atari frames)")
     args = parser.parse_args()
     seconds = args.seconds or (0.3 if args.quick else 1.0)
     tmp = Path(tempfile.mkdtemp(prefix="millpond-bench-"))
@@ -463,6 +465,9 @@ def main() -> None:
             integrity_section(workloads(args.quick), args.quick, seconds, timed_rate)
         if args.only == "backup":
             backup_section(tmp, workloads(args.quick), seconds, fmt_rate)
+            return
+        if args.only == "pixels":
+            pixels_section(args.quick, seconds, timed_rate)
             return
         if args.only is not None:
             with ServerProcess(tmp / "data") as server:
@@ -484,6 +489,7 @@ def main() -> None:
         durability_section(tmp, seconds)
         integrity_section(workloads(args.quick), args.quick, seconds, timed_rate)
         backup_section(tmp, workloads(args.quick), seconds, fmt_rate)
+        pixels_section(args.quick, seconds, timed_rate)
         larger_than_memory.section(tmp, args.quick, seconds)
         prioritized_section(tmp, args.quick, seconds)
         auth_section(tmp, seconds)

@@ -145,6 +145,12 @@ class ReplayBuffer(Buffer):
       ``one_episode``, ``store``, ``end_episode``, ``episode_writer``), and
       ``sample_sequences``, ``sample_episodes``, ``sample(n_step=)``,
       ``filter_meta=`` and ``dataloader`` read them.
+    * ``frame_stack={"obs": 0}`` (the field is a stack of frames along that
+      axis) and ``next_of={"next_obs": "obs"}`` (the field is usually the next
+      record's ``obs``): each distinct frame is stored once, checked equal at
+      push time; reads return exactly what was pushed. ``frame_capacity``:
+      frames kept per source field (see :mod:`millpond.core.frames`; a push
+      that does not fit raises StorageFullError).
     """
 
     def __init__(
@@ -163,11 +169,15 @@ class ReplayBuffer(Buffer):
         max_in_flight: int = 1,
         episodes: bool = False,
         meta_fields: Mapping[str, Any] | None = None,
+        frame_stack: Mapping[str, int] | None = None,
+        next_of: Mapping[str, str] | None = None,
+        frame_capacity: int | None = None,
     ):
         config = BufferConfig.build(
             capacity=capacity, obs_dim=obs_dim, act_dim=act_dim, fields=fields, mode=mode,
             max_times_sampled=max_times_sampled, rate_limiter=rate_limiter, episodes=episodes,
-            meta_fields=meta_fields)
+            meta_fields=meta_fields,
+            frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity)
         super().__init__(_backend(config, address, name, token=token,
                                   max_in_flight=max_in_flight))
 
@@ -201,11 +211,15 @@ class MmapReplayBuffer(Buffer):
         max_in_flight: int = 1,
         episodes: bool = False,
         meta_fields: Mapping[str, Any] | None = None,
+        frame_stack: Mapping[str, int] | None = None,
+        next_of: Mapping[str, str] | None = None,
+        frame_capacity: int | None = None,
     ):
         config = BufferConfig.build(
             hot_capacity=hot_capacity, total_capacity=total_capacity, obs_dim=obs_dim,
             act_dim=act_dim, fields=fields, mode=mode, max_times_sampled=max_times_sampled,
-            rate_limiter=rate_limiter, episodes=episodes, meta_fields=meta_fields)
+            rate_limiter=rate_limiter, episodes=episodes, meta_fields=meta_fields,
+            frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity)
         super().__init__(_backend(config, address, name, cold_path, persistent, token,
                                   max_in_flight))
 
@@ -277,11 +291,15 @@ class PrioritizedReplayBuffer(PrioritizedBuffer):
         max_in_flight: int = 1,
         episodes: bool = False,
         meta_fields: Mapping[str, Any] | None = None,
+        frame_stack: Mapping[str, int] | None = None,
+        next_of: Mapping[str, str] | None = None,
+        frame_capacity: int | None = None,
     ):
         config = BufferConfig.build(
             capacity=capacity, hot_capacity=hot_capacity, total_capacity=total_capacity,
             obs_dim=obs_dim, act_dim=act_dim, fields=fields, prioritized=True, alpha=alpha,
             beta=beta, max_times_sampled=max_times_sampled, rate_limiter=rate_limiter,
-            episodes=episodes, meta_fields=meta_fields)
+            episodes=episodes, meta_fields=meta_fields,
+            frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity)
         super().__init__(_backend(config, address, name, cold_path, token=token,
                                   max_in_flight=max_in_flight))

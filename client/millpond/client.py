@@ -89,6 +89,9 @@ class BufferClient:
         rate_limiter: RateLimiter | None = None,
         episodes: bool = False,
         meta_fields: Mapping[str, Any] | None = None,
+        frame_stack: Mapping[str, int] | None = None,
+        next_of: Mapping[str, str] | None = None,
+        frame_capacity: int | None = None,
     ) -> Buffer:
         """Create the buffer ``name``, or attach to it if it exists with this config.
 
@@ -98,8 +101,9 @@ class BufferClient:
         ``MmapReplayBuffer``), and ``obs_dim``/``act_dim`` or ``fields``.
         ``prioritized=True`` makes a proportional prioritized buffer with
         ``alpha`` and ``beta`` (see :class:`millpond.PrioritizedReplayBuffer`).
-        ``mode``, ``max_times_sampled``, ``rate_limiter``, ``episodes`` and
-        ``meta_fields``: see :class:`millpond.ReplayBuffer`. An existing buffer with another config
+        ``mode``, ``max_times_sampled``, ``rate_limiter``, ``episodes``,
+        ``meta_fields``, ``frame_stack``, ``next_of`` and ``frame_capacity``: see
+        :class:`millpond.ReplayBuffer`. An existing buffer with another config
         raises ConfigMismatchError.
 
         The handle's ``close()`` deletes the buffer if this call created it;
@@ -112,7 +116,8 @@ class BufferClient:
             obs_dim=obs_dim, act_dim=act_dim, fields=fields, mode=mode,
             max_times_sampled=max_times_sampled, rate_limiter=rate_limiter,
             prioritized=prioritized, alpha=alpha, beta=beta, episodes=episodes,
-            meta_fields=meta_fields)
+            meta_fields=meta_fields,
+            frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity)
         return handle_for(self.remote_buffer(name, config))
 
 

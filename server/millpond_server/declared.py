@@ -22,7 +22,9 @@ beta = 0.4 }``, and ``rate_limiter = { samples_per_insert = 4.0,
 min_size_to_sample = 1000, error_buffer = 100 }`` (``error_buffer`` may be
 ``[min_diff, max_diff]``; without ``samples_per_insert`` it is
 ``MinSize(min_size_to_sample)``), ``episodes = true`` with optional
-``[buffers.meta_fields]`` (``task_id = { dtype = "int64" }``, as fields).
+``[buffers.meta_fields]`` (``task_id = { dtype = "int64" }``, as fields);
+``frame_stack = { obs = 0 }``, ``next_of = { next_obs = "obs" }`` and
+``frame_capacity`` (frames stored once: see :mod:`millpond.core.frames`).
 
 Offline datasets served read-only (as ``--dataset NAME=PATH``; a relative
 path is relative to the TOML file)::
@@ -105,7 +107,7 @@ def load_datasets(path: Path) -> list[DatasetSpec]:
 
 _BUFFER_KEYS = {"name", "hot_capacity", "total_capacity", "capacity", "obs_dim", "act_dim", "fields",
                 "mode", "max_times_sampled", "prioritized", "rate_limiter", "episodes",
-                "meta_fields"}
+                "meta_fields", "frame_stack", "next_of", "frame_capacity"}
 
 
 def load_buffers(path: Path) -> list[BufferSpec]:
@@ -166,7 +168,9 @@ def _buffer_spec(table: dict, where: str) -> BufferSpec:
             prioritized=prioritized is not None, **(prioritized or {}),
             episodes=table.get("episodes", False),
             meta_fields=(_fields(table["meta_fields"], where, "meta field")
-                         if "meta_fields" in table else None))
+                         if "meta_fields" in table else None),
+            frame_stack=table.get("frame_stack"), next_of=table.get("next_of"),
+            frame_capacity=table.get("frame_capacity"))
     except (InvalidConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
     return BufferSpec(name, config)

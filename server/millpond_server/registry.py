@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from millpond.core import BufferConfig, BufferInfo, TieredBuffer
-from millpond.core.bufferfile import FORMAT_VERSION, MAGIC, BufferFile
+from millpond.core.bufferfile import FORMAT_VERSION, MAGIC, SERVED_VERSIONS, BufferFile
 from millpond.core.dataset import ReadOnlyBuffer
 from millpond.core.fileops import fsync_directory
 from millpond.core.footprint import file_nbytes
@@ -475,10 +475,11 @@ def _probe(name: str, path: Path) -> HeldBuffer | None:
                           f"{path} is not a millpond buffer file (it does not begin with "
                           f"{MAGIC!r})")
     _, version = _HEAD.unpack(head)
-    if version != FORMAT_VERSION:
+    if version not in SERVED_VERSIONS:
         return HeldBuffer(name, path, UNKNOWN_FORMAT,
                           f"{path} has buffer file format version {version}; this millpond "
-                          f"reads version {FORMAT_VERSION} only")
+                          f"reads version {FORMAT_VERSION} (and {SERVED_VERSIONS[-1]}, with "
+                          "frame regions) only")
     return None
 
 

@@ -42,7 +42,13 @@ from millpond.core.episode_checks import (
 from millpond.core.episodes import META_PREFIX, EpisodeIndex, record_ends
 from millpond.core.fifo import BeforeCommit, Fifo
 from millpond.core.fileops import sync_fd, temp_path
-from millpond.core.footprint import hot_nbytes, memory_needed, slot_arrays_for
+from millpond.core.footprint import (
+    frame_regions_for,
+    frames_for,
+    hot_nbytes,
+    memory_needed,
+    slot_arrays_for,
+)
 from millpond.core.info import BufferInfo
 from millpond.core.memory import available_memory, check_available, memory_limit
 from millpond.core.ratelimit import RateState
@@ -102,16 +108,18 @@ class TieredBuffer(ConfigAccessors):
             if path is None and persistent:
                 raise InvalidConfigError("a persistent buffer needs a file path")
             file = BufferFile.create(
-                os.fspath(path) if path is not None else temp_path(), config.schema, hot, total,
-                persistent=persistent, extra_meta=config.sampling_meta(),
-                slot_arrays=slot_arrays_for(config) if persistent else None)
+                os.fspath(path) if path is not None else temp_path(), config.stored_schema, hot,
+                total, persistent=persistent, extra_meta=config.sampling_meta(),
+                slot_arrays=slot_arrays_for(config) if persistent else None,
+                frame_regions=frame_regions_for(config, persistent))
         try:
             hot_tier = file.hot_tier if file is not None and persistent else Tier.in_memory(
-                config.schema, hot)
+                config.stored_schema, hot)
             assert hot_tier is not None  # a persistent buffer's file holds its hot tier
             fifo = Fifo(config.schema, hot_tier, None if file is None else file.tier, total, file,
                         durable=persistent, sync_every_push=sync_every_push,
-                        spare=file.spare if file is not None and persistent else 0)
+                        spare=file.spare if file is not None and persistent else 0,
+                        frames=frames_for(config, file), stored=config.stored_schema)
             self._setup(config, fifo, persistent)
             if file is not None:
                 file.publish(replace=not exclusive)
@@ -206,13 +214,20 @@ class TieredBuffer(ConfigAccessors):
         return self._fifo.size - self._strategy.removed
 
     def info(self) -> BufferInfo:
-        """Sizes, capacities and counters (a snapshot)."""
+        """Sizes, capacities and counters (a snapshot). ``stored_bytes``: what the
+        live records occupy (RAM and disk: their stored fields and, with frames, the
+        frames they refer to); ``logical_bytes``: what they would as plain arrays."""
         with self._lock:
             self._check_open()
             fifo, proportional = self._fifo, self._proportional(required=False)
             episodes, in_progress = self._episode_counts()
+            live = fifo.pushed - fifo.first
+            stored = live * self.config.stored_schema.record_nbytes
+            if fifo.frames is not None:
+                stored += fifo.frames.stored_nbytes(fifo.first, fifo.pushed)
             return BufferInfo(
-                self.config, path=self.path, **({} if proportional is None else proportional.state()),
+                self.config, stored_bytes=stored, logical_bytes=live * self.schema.record_nbytes,
+                path=self.path, **({} if proportional is None else proportional.state()),
                 size=self._size(), pushed=fifo.pushed, hot_size=fifo.pushed - fifo.hot_lo,
                 cold_size=fifo.hot_lo - fifo.first, damaged=len(fifo.holes),
                 memory_needed=memory_needed(self.config, self.persistent),
@@ -422,8 +437,12 @@ class TieredBuffer(ConfigAccessors):
 
     def snapshot(self, path: str | os.PathLike, *, replace: bool = False) -> Snapshot:
         """A :class:`~millpond.core.snapshot.Snapshot` of this buffer to ``path``, to run
-        step by step (a daemon runs each step through the buffer's owner)."""
+        step by step (a daemon runs each step through the buffer's owner). Not yet for
+        buffers with ``frame_stack`` or ``next_of`` (InvalidArgumentError)."""
         self._check_open()
+        if self.config.frame_groups:
+            raise InvalidArgumentError("checkpoints of buffers with frame_stack or next_of are "
+                                       "not supported yet")
         return Snapshot(self, path, replace=replace)
 
     def _slot_state(self) -> dict[str, np.ndarray]:
@@ -702,6 +721,8 @@ class TieredBuffer(ConfigAccessors):
 def _unmap(fifo: Fifo, delete: bool) -> None:
     """Drop every view of the buffer's memory, then unmap (and maybe delete) its file."""
     fifo.hot.release()
+    if fifo.frames is not None:
+        fifo.frames.release()
     for listener in fifo.listeners:  # views of the file's map must go before it closes
         listener.release()
     if fifo.file is not None:

@@ -44,6 +44,13 @@ A persistent file's hot tier has ``spare`` slots beyond ``hot_capacity``
 hot slots that hold no live record and commits them and the evictions they
 cause in one step (see :meth:`.fifo.Fifo.append`).
 
+Format version 6 is format 5 with *frame regions* (``"frame_regions": {name:
+[dtype, shape]}`` in the metadata, each a region of the region table): the frame
+rings of a buffer with ``frame_stack`` or ``next_of`` (see :mod:`.frames`), whose
+metadata also record those options and the fields as pushed (``"fields"``; its
+``"schema"`` is what the tiers hold). Only such buffers write it: every other
+buffer's file is format 5, byte for byte as before.
+
 Format version 4 (millpond 0.1.0's first files) is still read and served as
 it is: its 16-bit checksum (:mod:`.checksum_v4`), no metadata checksum, no
 spare slots (a push commits in three steps), and commit slots written one
@@ -90,7 +97,9 @@ from millpond.core.tier import CHECKSUM_REGION, SEQ_DTYPE, SEQ_REGION, Checksums
 from millpond.errors import CorruptFileError, FileConflictError, InvalidConfigError
 
 MAGIC = b"MILLPOND"
-FORMAT_VERSION = 5
+FORMAT_VERSION = 5  # the format of files without frame regions
+FRAMES_VERSION = 6  # format 5 with frame regions (see the module doc)
+SERVED_VERSIONS = (FORMAT_VERSION, FRAMES_VERSION)  # what a daemon serves
 OLDEST_VERSION = 4  # the oldest format this millpond reads
 CHECKSUM_NAME = "mix32"  # the record checksum of format 5 (see .checksum)
 PAGE = mmap.PAGESIZE
@@ -131,7 +140,9 @@ class Format:
 FORMATS = {
     4: Format(4, checksum_v4.CHECKSUM_DTYPE, checksum_v4.record_checksums, False),
     5: Format(5, checksum.CHECKSUM_DTYPE, checksum.record_checksums, True),
+    6: Format(6, checksum.CHECKSUM_DTYPE, checksum.record_checksums, True),
 }
+Regions = Mapping[str, tuple[str, tuple[int, ...]]]  # extra regions: {name: (dtype, shape)}
 
 
 def spare_slots(schema: Schema, total_capacity: int) -> int:
@@ -167,7 +178,8 @@ def _layout(sizes: list[tuple[str, int]], meta: dict) -> tuple[int, dict, int]:
 
 
 def _plan(schema: Schema, hot_capacity: int, total_capacity: int, persistent: bool,
-          extra_meta: dict | None, slot_arrays: Mapping[str, str] | None) -> tuple[int, dict, int]:
+          extra_meta: dict | None, slot_arrays: Mapping[str, str] | None,
+          frame_regions: Regions | None = None) -> tuple[int, dict, int]:
     """(header size, metadata with its region table, file size) of a new file."""
     checked = _check_slot_arrays(slot_arrays or {})
     cold_capacity = total_capacity - hot_capacity
@@ -190,9 +202,17 @@ def _plan(schema: Schema, hot_capacity: int, total_capacity: int, persistent: bo
         meta["slot_arrays"] = checked
         sizes += [(SLOT_PREFIX + name, total_capacity * np.dtype(dtype).itemsize)
                   for name, dtype in checked.items()]
+    if frame_regions:
+        meta["frame_regions"] = {name: [np.dtype(dt).str, list(shape)]
+                                 for name, (dt, shape) in frame_regions.items()}
+        sizes += [(name, _region_nbytes(dt, shape)) for name, (dt, shape) in frame_regions.items()]
     header, regions, size = _layout(sizes, meta)
     meta["regions"] = regions
     return header, meta, size
+
+
+def _region_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 def _slot_crc(*counters: int) -> int:
@@ -236,6 +256,11 @@ class BufferFile:
                                 regions[SLOT_PREFIX + name][0])
             for name, dtype in meta.get("slot_arrays", {}).items()
         }
+        self._frame_regions = {
+            name: np.frombuffer(mm, np.dtype(dtype), _region_nbytes(dtype, shape)
+                                // np.dtype(dtype).itemsize, regions[name][0]).reshape(shape)
+            for name, (dtype, shape) in meta.get("frame_regions", {}).items()
+        }
 
     def settle(self, lock_hot: bool) -> bool:
         """Arrange what stays in memory: the cold tier is read in random order (no
@@ -253,6 +278,10 @@ class BufferFile:
         base = np.frombuffer(self._mm, np.uint8, 1).ctypes.data
         return keep_resident(self._mm, start, end - start, base + start)
 
+    def frame_region(self, name: str) -> np.ndarray | None:
+        """The writable mapped frame region ``name`` (format 6), or None."""
+        return self._frame_regions.get(name)
+
     def slot_array(self, name: str) -> np.ndarray | None:
         """The writable mapped array ``name`` (one element per slot), or None if the file has none."""
         return self._slot_arrays.get(name)
@@ -262,7 +291,8 @@ class BufferFile:
     @classmethod
     def create(cls, path: str, schema: Schema, hot_capacity: int, total_capacity: int,
                persistent: bool = False, extra_meta: dict | None = None,
-               slot_arrays: Mapping[str, str] | None = None) -> "BufferFile":
+               slot_arrays: Mapping[str, str] | None = None,
+               frame_regions: Regions | None = None) -> "BufferFile":
         """The file for ``path``, fully allocated, under a temporary name beside it.
 
         :meth:`publish` gives it its name once its owner is fully built, so a
@@ -273,11 +303,14 @@ class BufferFile:
         ``persistent`` puts the hot ring in the file as well. ``slot_arrays``
         (``{name: numpy dtype string}``, e.g. ``{"priority": "<f8"}``) adds one
         zeroed array of ``total_capacity`` elements each: see
-        :meth:`slot_array`. Raises :class:`StorageFullError` when the disk
-        cannot hold it, before writing anything.
+        :meth:`slot_array`. ``frame_regions`` (``{name: (dtype, shape)}``) adds
+        those regions and makes the file format 6: see :meth:`frame_region`.
+        Raises :class:`StorageFullError` when the disk cannot hold it, before
+        writing anything.
         """
         header, meta, size = _plan(schema, hot_capacity, total_capacity, persistent, extra_meta,
-                                   slot_arrays)
+                                   slot_arrays, frame_regions)
+        version = FRAMES_VERSION if frame_regions else FORMAT_VERSION
         directory, base = os.path.split(os.path.abspath(path))
         check_free_space(directory, size, path)
         temp = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
@@ -293,19 +326,21 @@ class BufferFile:
             unlink_quietly(temp)
             raise
         blob = json.dumps(meta).encode()
-        _PREFIX.pack_into(mm, 0, MAGIC, FORMAT_VERSION, header, len(blob))
+        _PREFIX.pack_into(mm, 0, MAGIC, version, header, len(blob))
         mm[_JSON_OFFSET : _JSON_OFFSET + len(blob)] = blob
         _HEADER_CRC.pack_into(mm, _HEADER_CRC_OFFSET, _header_crc(mm, len(blob)))
-        created = cls(temp, fd, mm, meta, schema)
+        created = cls(temp, fd, mm, meta, schema, version=version)
         created.final_path = path
         created.commit(0, 0, 0)
         return created
 
     @staticmethod
     def nbytes(schema: Schema, hot_capacity: int, total_capacity: int, persistent: bool = False,
-               extra_meta: dict | None = None, slot_arrays: Mapping[str, str] | None = None) -> int:
+               extra_meta: dict | None = None, slot_arrays: Mapping[str, str] | None = None,
+               frame_regions: Regions | None = None) -> int:
         """The size of the file :meth:`create` would make with these arguments."""
-        return _plan(schema, hot_capacity, total_capacity, persistent, extra_meta, slot_arrays)[2]
+        return _plan(schema, hot_capacity, total_capacity, persistent, extra_meta, slot_arrays,
+                     frame_regions)[2]
 
     def publish(self, replace: bool = True) -> None:
         """Give a created file its name (atomically). ``replace=False`` refuses to
@@ -424,6 +459,7 @@ class BufferFile:
             if part is not None:
                 part.release()  # views into the map must go before it closes
         self._slot_arrays = {}
+        self._frame_regions = {}
         self._mm.close()
         os.close(self._fd)
         self._mm = None
@@ -449,11 +485,11 @@ def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema, int]:
     if magic != MAGIC:
         raise CorruptFileError(f"{path}: not a millpond buffer file (bad magic)")
     if version not in FORMATS:
-        newer = "a newer millpond made it: serve it with that one" if version > FORMAT_VERSION \
+        newer = "a newer millpond made it: serve it with that one" if version > FRAMES_VERSION \
             else "the header is damaged, or a millpond too old to be read made it"
         raise CorruptFileError(
             f"{path}: format version {version}; millpond {_version()} reads versions "
-            f"{OLDEST_VERSION} to {FORMAT_VERSION} ({newer})")
+            f"{OLDEST_VERSION} to {FRAMES_VERSION} ({newer})")
     if not _JSON_OFFSET + length <= header <= len(mm):
         raise CorruptFileError(f"{path}: damaged header (metadata length {length})")
     if Format.of(version).checked_header:
@@ -478,6 +514,12 @@ def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema, int]:
                     raise ValueError(f"region {prefix + f.name!r} has the wrong size")
         if version >= 5 and meta.get("checksum") != CHECKSUM_NAME:
             raise ValueError(f"record checksum {meta.get('checksum')!r}")
+        frame_regions = meta.get("frame_regions", {})
+        if bool(frame_regions) != (version >= FRAMES_VERSION):
+            raise ValueError(f"format {version} with frame regions {sorted(frame_regions)}")
+        for name, (dtype, shape) in frame_regions.items():
+            if regions[name][1] != _region_nbytes(dtype, shape):
+                raise ValueError(f"frame region {name!r} has the wrong size")
         spare = meta.get("spare", 0)
         if not isinstance(spare, int) or spare < 0 or (spare and version < 5):
             raise ValueError(f"spare {spare!r}")

@@ -9,14 +9,18 @@ user-facing arguments; :class:`BufferConfig` itself validates the result.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from millpond.core.checks import is_integral, is_real
 from millpond.core.ratelimit import Queue, RateLimiter
 from millpond.core.schema import Schema
 from millpond.errors import InvalidConfigError
+
+if TYPE_CHECKING:
+    from millpond.core.frames import FrameGroup
 
 MODES = ("replay", "queue", "stack")
 MAX_CAPACITY = 2**40  # records: far beyond any disk, and safe in int64 seq arithmetic
@@ -74,7 +78,12 @@ class BufferConfig:
     * ``episodes``: records belong to episodes, and sequences, episodes and
       n-step transitions can be sampled (replay mode; see
       :mod:`.episodes`); ``meta_fields`` (a Schema, or None) are values per
-      episode.
+      episode;
+    * ``frame_stack`` (``{field: axis}``) and ``next_of`` (``{field: source
+      field}``): frames stored once (see :mod:`.frames`); ``frame_capacity``
+      frames in the frame store of each source field (None: the default,
+      :func:`.frames.default_frame_capacity`). Normalized to sorted tuples of
+      pairs and a number (None without these options).
 
     Construction validates and normalizes, so equal buffers have equal
     configs (compare with ``==``; ``beta`` excepted, see :class:`Prioritized`).
@@ -89,6 +98,9 @@ class BufferConfig:
     prioritized: Prioritized | None = None
     episodes: bool = False
     meta_fields: Schema | None = None
+    frame_stack: Any = ()
+    next_of: Any = ()
+    frame_capacity: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.schema, Schema):
@@ -122,6 +134,12 @@ class BufferConfig:
             if self.mode != "replay":
                 raise InvalidConfigError("a prioritized buffer samples in mode='replay' only")
         self._check_episodes()
+        from millpond.core.frames import check_frame_options  # (it imports this module)
+        stack, nexts, frame_capacity = check_frame_options(
+            self.schema, total, self.frame_stack, self.next_of, self.frame_capacity)
+        object.__setattr__(self, "frame_stack", stack)
+        object.__setattr__(self, "next_of", nexts)
+        object.__setattr__(self, "frame_capacity", frame_capacity)
         for name, value in (("hot_capacity", hot), ("total_capacity", total),
                             ("max_times_sampled", limit), ("rate_limiter", limiter)):
             object.__setattr__(self, name, value)
@@ -170,6 +188,9 @@ class BufferConfig:
         beta: float = 0.4,
         episodes: bool = False,
         meta_fields: Any = None,
+        frame_stack: Any = None,
+        next_of: Any = None,
+        frame_capacity: Any = None,
     ) -> "BufferConfig":
         """The config for the arguments users give (constructors, ``create_buffer``, TOML).
 
@@ -180,6 +201,7 @@ class BufferConfig:
         (the reference's transitions). ``prioritized=True`` uses ``alpha``
         and ``beta``. ``meta_fields``: ``{name: (dtype, shape)}``, a bare
         dtype meaning a scalar (``{"task_id": "int64"}``), or a Schema.
+        ``frame_stack``, ``next_of``, ``frame_capacity``: see :mod:`.frames`.
         """
         hot, total = resolve_capacities(capacity, hot_capacity, total_capacity)
         if isinstance(rate_limiter, Mapping):  # RateLimiter.to_dict()'s form
@@ -190,7 +212,7 @@ class BufferConfig:
             prioritized = None
         return cls(Schema.resolve(obs_dim, act_dim, fields), hot, total, mode,
                    max_times_sampled, rate_limiter, prioritized, episodes,
-                   meta_schema(meta_fields))
+                   meta_schema(meta_fields), frame_stack or (), next_of or (), frame_capacity)
 
     # ---- derived values --------------------------------------------------------------
 
@@ -202,6 +224,19 @@ class BufferConfig:
     def removes(self) -> bool:
         """Whether sampling removes what it returns (queue, stack)."""
         return self.mode != "replay"
+
+    @functools.cached_property
+    def frame_groups(self) -> "tuple[FrameGroup, ...]":
+        """The groups of fields whose frames are stored once (empty: a plain buffer)."""
+        from millpond.core.frames import frame_groups
+        return frame_groups(self.schema, dict(self.frame_stack), dict(self.next_of))
+
+    @functools.cached_property
+    def stored_schema(self) -> Schema:
+        """The schema of the records the tiers hold: :attr:`schema` itself for a plain
+        buffer; frame fields replaced by their frames' ids (see :mod:`.frames`)."""
+        from millpond.core.frames import stored_schema
+        return stored_schema(self.schema, self.frame_groups)
 
     def with_beta(self, beta: float) -> "BufferConfig":
         """The same config with another creation ``beta`` (prioritized buffers)."""
@@ -232,18 +267,35 @@ class BufferConfig:
             "prioritized": prioritized and {"alpha": prioritized.alpha, "beta": prioritized.beta},
             "episodes": self.episodes,
             "meta_fields": self.meta_fields and self.meta_fields.spec(),
+            **self.frame_meta(),
         }
+
+    def frame_meta(self) -> dict[str, Any]:
+        """The frame options as a file records them (nothing for a plain buffer, whose
+        metadata stay as they were): the options, and the record fields as pushed
+        (the file's ``schema`` is :attr:`stored_schema`)."""
+        if not self.frame_groups:
+            return {}
+        return {"frame_stack": dict(self.frame_stack), "next_of": dict(self.next_of),
+                "frame_capacity": self.frame_capacity,
+                "fields": {name: [dt, list(shape)]
+                           for name, (dt, shape) in self.schema.spec().items()}}
 
     @classmethod
     def from_file_meta(cls, meta: Mapping[str, Any], schema: Schema) -> "BufferConfig":
         """The config a buffer file records (files older than a setting lack its key)."""
         prioritized = meta.get("prioritized")
         limiter = meta.get("rate_limiter")
+        if "fields" in meta:  # a buffer with frames: ``schema`` is what its tiers hold
+            schema = Schema.from_spec({k: (dt, tuple(shape)) for k, (dt, shape)
+                                       in meta["fields"].items()})
         return cls(schema, meta["hot_capacity"], meta["total_capacity"],
                    meta.get("mode", "replay"), meta.get("max_times_sampled"),
                    limiter and RateLimiter.from_dict(limiter),
                    prioritized and Prioritized(prioritized["alpha"], prioritized["beta"]),
-                   meta.get("episodes", False), meta_schema(meta.get("meta_fields")))
+                   meta.get("episodes", False), meta_schema(meta.get("meta_fields")),
+                   meta.get("frame_stack") or (), meta.get("next_of") or (),
+                   meta.get("frame_capacity"))
 
 
 class ConfigAccessors:

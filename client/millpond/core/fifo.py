@@ -21,6 +21,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 import numpy as np
 
 from millpond.core.bufferfile import BufferFile
+from millpond.core.frames import Frames
 from millpond.core.schema import Schema
 from millpond.core.tier import Tier
 
@@ -53,8 +54,12 @@ class Fifo:
 
     def __init__(self, schema: Schema, hot: Tier, cold: Tier | None, total_capacity: int,
                  file: BufferFile | None, durable: bool, sync_every_push: bool = False,
-                 spare: int = 0):
-        self.schema = schema
+                 spare: int = 0, frames: Frames | None = None, stored: Schema | None = None):
+        self.schema = schema  # the records as pushed and read
+        # A buffer with frame_stack or next_of (see .frames): the tiers hold ``stored``
+        # records (frame fields as frame ids); append takes and reads return ``schema``'s.
+        self.frames = frames
+        self.stored = schema if stored is None else stored
         self.hot = hot
         self.cold = cold
         self.spare = spare
@@ -107,7 +112,12 @@ class Fifo:
         first chunks present (whole records, in order), never part of a chunk.
         (Slot arrays, one element per ``seq % total_capacity``, have no spare:
         the elements of records a chunk evicts are rewritten before its commit.)
+
+        With ``frames``, the batch's new frames are written first (StorageFullError,
+        nothing changed, if they do not fit: see :mod:`.frames`), then its records.
         """
+        if self.frames is not None:
+            batch = self.frames.encode(batch, n, self.first, self.pushed)
         if not self.spare:
             return self._append_in_place(n, batch, before_commit)
         old = self.pushed
@@ -220,6 +230,20 @@ class Fifo:
         """
         if out is None:
             out = {f.name: np.empty((len(seqs),) + f.shape, f.dtype) for f in self.schema}
+        frames = self.frames
+        if frames is None:
+            return self._gather(seqs, out, hot_first)
+        stored = {name: np.empty((len(seqs),) + self.stored[name].shape, self.stored[name].dtype)
+                  if name in frames.group_of else array for name, array in out.items()}
+        self._gather(seqs, stored, hot_first)
+        for name in out:
+            if name in frames.group_of:
+                frames.decode(name, stored[name], out[name])
+        return dict(out)
+
+    def _gather(self, seqs: np.ndarray, out: Mapping[str, np.ndarray],
+                hot_first: bool) -> dict[str, np.ndarray]:
+        """:meth:`gather` of the records as the tiers hold them."""
         is_hot = seqs >= self.hot_lo
         cold_seqs, hot_seqs = seqs[~is_hot], seqs[is_hot]
         if hot_first:
@@ -237,12 +261,36 @@ class Fifo:
         row for row: fields ``names`` (default: all), into ``out``'s arrays if given
         (C-contiguous, e.g. shared memory). Records all in one tier (the usual case) are
         copied once; otherwise each tier's rows are gathered, then scattered."""
-        schema = self.schema
+        frames = self.frames
+        if frames is None:
+            return self._gather_rows(seqs, names, out, self.schema)
+        names = list(names or self.schema.names)
+        coded = [name for name in names if name in frames.group_of]
+        stored = self._gather_rows(seqs, names, {name: array for name, array in (out or {}).items()
+                                                 if name not in frames.group_of} or None,
+                                   self.stored)
+        for name in coded:
+            field = self.schema[name]
+            array = (np.empty(seqs.shape + field.shape, field.dtype) if out is None
+                     else out[name])
+            flat = stored[name].reshape(-1, self.stored[name].shape[0])
+            frames.decode(name, flat, array.reshape((len(flat),) + field.shape))
+            stored[name] = array
+        return {name: stored[name] for name in names}
+
+    def stored_rows(self, seqs: np.ndarray, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Fields ``names`` of live records ``seqs`` as the tiers hold them (frame ids)."""
+        return self._gather_rows(seqs, names, None, self.stored)
+
+    def _gather_rows(self, seqs: np.ndarray, names: Sequence[str] | None,
+                     out: Mapping[str, np.ndarray] | None, schema: Schema
+                     ) -> dict[str, np.ndarray]:
+        """:meth:`gather_rows` of fields as ``schema`` (the tiers') has them."""
         result = {}
         for name in names or schema.names:
             field = schema[name]
-            result[name] = (np.empty(seqs.shape + field.shape, field.dtype) if out is None
-                            else out[name])
+            result[name] = (np.empty(seqs.shape + field.shape, field.dtype)
+                            if out is None or name not in out else out[name])
         flat, rows = seqs, result
         if seqs.ndim != 1:
             flat = seqs.reshape(-1)
@@ -257,7 +305,8 @@ class Fifo:
             self.cold.gather(flat, rows, 0)
         else:
             order = np.argsort(is_hot, kind="stable")
-            gathered = self.gather(flat[order], {n: np.empty_like(a) for n, a in rows.items()})
+            gathered = self._gather(flat[order], {n: np.empty_like(a) for n, a in rows.items()},
+                                    False)
             for name, column in gathered.items():
                 rows[name][order] = column
         return result
@@ -265,7 +314,8 @@ class Fifo:
     def take(self, seqs: np.ndarray, name: str) -> np.ndarray:
         """Field ``name`` of live records ``seqs`` (any shape): :meth:`gather_rows` for one
         small field, with a short path for records all in the hot tier."""
-        if seqs.size and seqs.min() >= self.hot_lo:
+        if seqs.size and seqs.min() >= self.hot_lo and (
+                self.frames is None or name not in self.frames.group_of):
             return self.hot.columns[name].take(seqs % self.hot.capacity, axis=0, mode="clip")
         return self.gather_rows(seqs, [name])[name]
 

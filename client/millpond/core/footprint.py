@@ -9,6 +9,7 @@ from millpond.core.checksum import CHECKSUM_DTYPE
 from millpond.core.config import BufferConfig
 from millpond.core.draw import COUNT_ARRAYS, strategy_arrays
 from millpond.core.episodes import episode_arrays
+from millpond.core.frames import Frames, frame_regions
 from millpond.core.sumtree import tree_nbytes
 from millpond.core.tier import SEQ_DTYPE
 
@@ -22,10 +23,10 @@ def memory_needed(config: BufferConfig, persistent: bool) -> int:
 
 def hot_nbytes(config: BufferConfig, persistent: bool) -> int:
     """The hot tier's bytes: records, seqs and (persistent) checksums and spare slots."""
-    per_record = config.schema.record_nbytes + SEQ_DTYPE.itemsize
+    per_record = config.stored_schema.record_nbytes + SEQ_DTYPE.itemsize
     if not persistent:
         return config.hot_capacity * per_record
-    slots = config.hot_capacity + spare_slots(config.schema, config.total_capacity)
+    slots = config.hot_capacity + spare_slots(config.stored_schema, config.total_capacity)
     return slots * (per_record + CHECKSUM_DTYPE.itemsize)
 
 
@@ -38,9 +39,31 @@ def slot_arrays_for(config: BufferConfig) -> dict[str, str]:
     return arrays
 
 
+def frame_regions_for(config: BufferConfig, persistent: bool) -> dict | None:
+    """The frame regions of a buffer's file (None: a plain buffer)."""
+    if not config.frame_groups:
+        return None
+    assert config.frame_capacity is not None
+    return frame_regions(config.frame_groups, config.frame_capacity, persistent)
+
+
+def frames_for(config: BufferConfig, file: BufferFile | None) -> Frames | None:
+    """A buffer's frame rings: in its file if it has one, else in RAM (None: plain)."""
+    if not config.frame_groups:
+        return None
+    if file is not None:
+        return Frames.in_file(config.frame_groups, file.frame_region)
+    assert config.frame_capacity is not None
+    return Frames.in_memory(config.frame_groups, config.frame_capacity)
+
+
 def side_nbytes(config: BufferConfig, persistent: bool) -> int:
-    """RAM beside the hot tier: sum trees, and per-slot arrays not kept in a file."""
+    """RAM beside the hot tier: sum trees, per-slot arrays not kept in a file, the frame
+    rings of a buffer without a file."""
     needed = 0
+    if config.frame_groups and not persistent and config.cold_capacity == 0:
+        assert config.frame_capacity is not None
+        needed += config.frame_capacity * sum(g.frame_nbytes + 8 for g in config.frame_groups)
     if config.prioritized is not None or config.max_times_sampled:
         needed += tree_nbytes(config.total_capacity)
     if not persistent:  # draw counts and episodes in RAM (priorities: only in the tree)
@@ -54,6 +77,7 @@ def file_nbytes(config: BufferConfig, persistent: bool) -> int:
     """The size of the file a buffer with ``config`` makes (0: it makes none)."""
     if not persistent and config.cold_capacity == 0:
         return 0
-    return BufferFile.nbytes(config.schema, config.hot_capacity, config.total_capacity,
+    return BufferFile.nbytes(config.stored_schema, config.hot_capacity, config.total_capacity,
                              persistent, config.sampling_meta(),
-                             slot_arrays_for(config) if persistent else None)
+                             slot_arrays_for(config) if persistent else None,
+                             frame_regions_for(config, persistent))

@@ -36,7 +36,9 @@ class BufferInfo(Mapping[str, Any]):
     sum trees), beside ``memory_limit``, what the process may use (machine or
     memory cgroup; 0 if unknown). Episodic buffers count ``episodes``
     (complete: ended, first record live) and ``episodes_in_progress`` (not
-    ended, with a live record).
+    ended, with a live record). ``stored_bytes``: what the live records
+    occupy (RAM and disk); ``logical_bytes``: what they would as plain arrays
+    (equal, but for buffers with ``frame_stack`` or ``next_of``).
     ``path`` is the buffer's file (on a server: relative to its data
     directory). A prioritized buffer also reports ``beta``, its current
     importance-sampling exponent, ``max_priority``, the priority a record
@@ -86,6 +88,8 @@ class BufferInfo(Mapping[str, Any]):
     memory_limit: int = 0
     episodes: int = 0
     episodes_in_progress: int = 0
+    stored_bytes: int = 0
+    logical_bytes: int = 0
     state: str = "ok"
     reason: str = ""
     shards: tuple["ShardInfo", ...] = ()

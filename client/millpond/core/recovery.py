@@ -16,9 +16,12 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+import numpy as np
+
 from millpond.core.bufferfile import BufferFile
 from millpond.core.config import BufferConfig
 from millpond.core.fifo import Fifo
+from millpond.core.footprint import frames_for
 from millpond.errors import CorruptFileError
 
 
@@ -43,10 +46,13 @@ def recover(path: str | os.PathLike, *, sync_every_push: bool = False, skip_corr
                                    f"what slot {state.used} commits")
         config = BufferConfig.from_file_meta(file.meta, file.schema)
         assert file.hot_tier is not None
-        fifo = Fifo(file.schema, file.hot_tier, file.tier, config.total_capacity, file,
-                    durable=True, sync_every_push=sync_every_push, spare=file.spare)
+        fifo = Fifo(config.schema, file.hot_tier, file.tier, config.total_capacity, file,
+                    durable=True, sync_every_push=sync_every_push, spare=file.spare,
+                    frames=frames_for(config, file), stored=file.schema)
         fifo.pushed, fifo.first, fifo.hot_lo = file.pushed, file.first, file.hot_lo
         bad = fifo.damaged(progress)
+        if fifo.frames is not None:
+            bad = _check_frames(fifo, bad)
         live = fifo.pushed - fifo.first
         if len(bad) and not skip_corrupt:
             raise CorruptFileError(
@@ -58,3 +64,17 @@ def recover(path: str | os.PathLike, *, sync_every_push: bool = False, skip_corr
         raise
     fifo.holes = bad
     return config, fifo
+
+
+def _check_frames(fifo: Fifo, bad: np.ndarray) -> np.ndarray:
+    """``bad`` and the live records whose frames fail their checks (see
+    :meth:`.frames.Frames.damaged`); the frames' bookkeeping rebuilt from the others."""
+    frames = fifo.frames
+    assert frames is not None
+    seqs = np.setdiff1d(np.arange(fifo.first, fifo.pushed), bad, assume_unique=True)
+    names = list(frames.group_of)
+    ids = fifo.stored_rows(seqs, names)
+    wrong = frames.damaged(seqs, ids)
+    keep = ~wrong
+    frames.restore(seqs[keep], {name: column[keep] for name, column in ids.items()})
+    return np.sort(np.concatenate([bad, seqs[wrong]]))

@@ -17,7 +17,21 @@ class FieldSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BufferConfig(_message.Message):
-    __slots__ = ("hot_capacity", "total_capacity", "fields", "prioritized", "mode", "max_times_sampled", "rate_limiter", "episodes", "meta_fields")
+    __slots__ = ("hot_capacity", "total_capacity", "fields", "prioritized", "mode", "max_times_sampled", "rate_limiter", "episodes", "meta_fields", "frame_stack", "next_of", "frame_capacity")
+    class FrameStackEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class NextOfEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     HOT_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +41,9 @@ class BufferConfig(_message.Message):
     RATE_LIMITER_FIELD_NUMBER: _ClassVar[int]
     EPISODES_FIELD_NUMBER: _ClassVar[int]
     META_FIELDS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_STACK_FIELD_NUMBER: _ClassVar[int]
+    NEXT_OF_FIELD_NUMBER: _ClassVar[int]
+    FRAME_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     hot_capacity: int
     total_capacity: int
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
@@ -36,7 +53,10 @@ class BufferConfig(_message.Message):
     rate_limiter: RateLimiter
     episodes: bool
     meta_fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
-    def __init__(self, hot_capacity: _Optional[int] = ..., total_capacity: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., prioritized: _Optional[_Union[Prioritized, _Mapping]] = ..., mode: _Optional[str] = ..., max_times_sampled: _Optional[int] = ..., rate_limiter: _Optional[_Union[RateLimiter, _Mapping]] = ..., episodes: _Optional[bool] = ..., meta_fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ...) -> None: ...
+    frame_stack: _containers.ScalarMap[str, int]
+    next_of: _containers.ScalarMap[str, str]
+    frame_capacity: int
+    def __init__(self, hot_capacity: _Optional[int] = ..., total_capacity: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., prioritized: _Optional[_Union[Prioritized, _Mapping]] = ..., mode: _Optional[str] = ..., max_times_sampled: _Optional[int] = ..., rate_limiter: _Optional[_Union[RateLimiter, _Mapping]] = ..., episodes: _Optional[bool] = ..., meta_fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., frame_stack: _Optional[_Mapping[str, int]] = ..., next_of: _Optional[_Mapping[str, str]] = ..., frame_capacity: _Optional[int] = ...) -> None: ...
 
 class RateLimiter(_message.Message):
     __slots__ = ("samples_per_insert", "min_size_to_sample", "min_diff", "max_diff")
@@ -167,7 +187,7 @@ class InfoRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., include_unavailable: _Optional[bool] = ...) -> None: ...
 
 class BufferInfo(_message.Message):
-    __slots__ = ("name", "config", "size", "pushed", "hot_size", "cold_size", "record_nbytes", "path", "inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds", "sample_wait_seconds", "samples_per_insert", "waiting_inserts", "waiting_samples", "damaged", "beta", "max_priority", "priority_total", "priority_min", "memory_needed", "memory_limit", "episodes", "episodes_in_progress", "state", "reason")
+    __slots__ = ("name", "config", "size", "pushed", "hot_size", "cold_size", "record_nbytes", "path", "inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds", "sample_wait_seconds", "samples_per_insert", "waiting_inserts", "waiting_samples", "damaged", "beta", "max_priority", "priority_total", "priority_min", "memory_needed", "memory_limit", "episodes", "episodes_in_progress", "state", "reason", "stored_bytes", "logical_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +216,8 @@ class BufferInfo(_message.Message):
     EPISODES_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     config: BufferConfig
     size: int
@@ -224,7 +246,9 @@ class BufferInfo(_message.Message):
     episodes_in_progress: int
     state: str
     reason: str
-    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ..., size: _Optional[int] = ..., pushed: _Optional[int] = ..., hot_size: _Optional[int] = ..., cold_size: _Optional[int] = ..., record_nbytes: _Optional[int] = ..., path: _Optional[str] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., insert_waits: _Optional[int] = ..., sample_waits: _Optional[int] = ..., insert_wait_seconds: _Optional[float] = ..., sample_wait_seconds: _Optional[float] = ..., samples_per_insert: _Optional[float] = ..., waiting_inserts: _Optional[int] = ..., waiting_samples: _Optional[int] = ..., damaged: _Optional[int] = ..., beta: _Optional[float] = ..., max_priority: _Optional[float] = ..., priority_total: _Optional[float] = ..., priority_min: _Optional[float] = ..., memory_needed: _Optional[int] = ..., memory_limit: _Optional[int] = ..., episodes: _Optional[int] = ..., episodes_in_progress: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    stored_bytes: int
+    logical_bytes: int
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ..., size: _Optional[int] = ..., pushed: _Optional[int] = ..., hot_size: _Optional[int] = ..., cold_size: _Optional[int] = ..., record_nbytes: _Optional[int] = ..., path: _Optional[str] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., insert_waits: _Optional[int] = ..., sample_waits: _Optional[int] = ..., insert_wait_seconds: _Optional[float] = ..., sample_wait_seconds: _Optional[float] = ..., samples_per_insert: _Optional[float] = ..., waiting_inserts: _Optional[int] = ..., waiting_samples: _Optional[int] = ..., damaged: _Optional[int] = ..., beta: _Optional[float] = ..., max_priority: _Optional[float] = ..., priority_total: _Optional[float] = ..., priority_min: _Optional[float] = ..., memory_needed: _Optional[int] = ..., memory_limit: _Optional[int] = ..., episodes: _Optional[int] = ..., episodes_in_progress: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stored_bytes: _Optional[int] = ..., logical_bytes: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("include_unavailable",)

@@ -75,6 +75,9 @@ def config_to_proto(config: BufferConfig) -> pb.BufferConfig:
         max_times_sampled=config.max_times_sampled or 0,
         episodes=config.episodes,
         meta_fields=_field_specs(config.meta_fields),
+        frame_stack=dict(config.frame_stack),
+        next_of=dict(config.next_of),
+        frame_capacity=config.frame_capacity or 0,
     )
     if config.prioritized is not None:
         message.prioritized.alpha = config.prioritized.alpha
@@ -117,7 +120,9 @@ def config_from_proto(message: pb.BufferConfig) -> BufferConfig:
         prioritized = Prioritized(message.prioritized.alpha, message.prioritized.beta)
     return BufferConfig(Schema.from_spec(spec), message.hot_capacity, message.total_capacity,
                         message.mode or "replay", message.max_times_sampled or None, limiter,
-                        prioritized, message.episodes, Schema.from_spec(meta) if meta else None)
+                        prioritized, message.episodes, Schema.from_spec(meta) if meta else None,
+                        dict(message.frame_stack), dict(message.next_of),
+                        message.frame_capacity or None)
 
 
 def info_to_proto(info: BufferInfo) -> pb.BufferInfo:

@@ -1,0 +1,456 @@
+"""Frames stored once: frame stacks and next observations (``frame_stack``, ``next_of``).
+
+A buffer created with ``frame_stack={"obs": 0}`` treats field ``obs`` as a stack
+of ``k = shape[0]`` frames along axis 0; one with ``next_of={"next_obs": "obs"}``
+expects ``next_obs`` to be the next record's ``obs``. Neither option is trusted:
+each is only a hint of where equal frames are likely. Both are opt-in; a buffer
+without them stores exactly what it stored before (:attr:`BufferConfig.stored_schema`
+is then its schema, and nothing here runs).
+
+**Storage.** The fields of one *group* (a source field, e.g. ``obs``, with the
+fields that are ``next_of`` it) keep their frames in one *frame ring* per group:
+``frame_capacity`` frames ``[F, *frame_shape]``, frame ``i`` (a global, never
+reused id) at slot ``i % F``. In the records, each of the group's fields is
+stored as ``int64[k]``, the ids of its ``k`` frames (a field that is not
+stacked is one frame: ``k = 1``). So the records stay fixed-size, in both tiers,
+with their seqs and checksums, and the frames beside them.
+
+**Pushes** (:meth:`Frames.encode`): every frame of every value pushed is looked up
+by content among the frames written recently (the last ``window`` ids): a crc32
+finds a candidate and the frame's bytes are compared with it, always, so a frame
+is shared only with an *equal* frame, and a value read back is exactly the value
+pushed. What is not found is written as a new frame. So the newest frame of a
+stack is new and its other frames are its predecessor's; ``next_obs`` and the
+next record's ``obs`` share every frame; a stack padded by repeating its first
+frame (gymnasium's ``FrameStackObservation``) or with zero frames (SB3's
+``VecFrameStack``) stores each distinct frame once; interleaved writers share
+with their own predecessors, whatever the episode bookkeeping: no episode
+identity is needed, and none is assumed.
+
+**Lifetime.** A record refers to frames written before or with it. A frame is
+kept while a live record (live in the FIFO's range: damaged records excepted)
+refers to it: the ring's *head* is the smallest id the live records refer to
+(a sliding-window minimum over seqs, kept as a monotone deque), its *tail* the
+next id. A push refers only to frames at least ``tail - window`` (which are
+still in the ring) and is admitted only if the ring then holds every frame a
+record live before it or pushed by it refers to: ``tail + new - head <=
+frame_capacity``, else :class:`StorageFullError` and nothing changes. The
+check counts the records the push evicts as live: a crash before its commit
+leaves them intact (see :mod:`.fifo`). The window is about 1/32 of the ring (at
+least 64 frames, at most a quarter). The default capacity
+(:func:`default_frame_capacity`) holds 1.25 new frames per record plus slack:
+frame-stacked pixels need about one; data whose frames do not repeat needs
+``frame_capacity`` set (``2 * k * (total_capacity + largest push)`` always
+suffices).
+
+**Files.** A buffer with a file keeps its rings in it (format 6: regions
+``frames:<source>``, ``frameid:<source>`` and, persistent, ``framesum:<source>``,
+a checksum per frame; see :mod:`.bufferfile`); one without keeps them in RAM.
+Nothing about the rings is committed: at reopen the live records' ids say which
+frames are live (:meth:`Frames.restore`) and each is checked
+(:meth:`Frames.damaged`); frames written by a push that never committed lie
+past every live id and are overwritten.
+
+Not thread-safe: the buffer holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from millpond.core.checksum import CHECKSUM_DTYPE, record_checksums
+from millpond.core.schema import Field, Schema
+from millpond.errors import InvalidConfigError, StorageFullError
+
+ID_DTYPE = np.dtype("<i8")
+FRAMES_PREFIX = "frames:"
+FRAME_ID_PREFIX = "frameid:"
+FRAME_SUM_PREFIX = "framesum:"
+WINDOW = 4096  # frames looked up for sharing (about 1/32 of the ring, at least 64)
+
+
+@dataclass(frozen=True)
+class FrameGroup:
+    """A source field and the fields ``next_of`` it: one frame ring.
+
+    ``axis``: the stack axis of the values (None: a value is one frame);
+    ``k`` frames per value, each ``frame_shape``.
+    """
+
+    source: str
+    fields: tuple[str, ...]  # the source first
+    dtype: np.dtype
+    axis: int | None
+    k: int
+    frame_shape: tuple[int, ...]
+
+    @property
+    def frame_nbytes(self) -> int:
+        return math.prod(self.frame_shape) * self.dtype.itemsize
+
+
+def default_frame_capacity(total_capacity: int) -> int:
+    """Frames per ring when none is given: 1.25 per record, plus 64."""
+    return total_capacity + total_capacity // 4 + 64
+
+
+def check_frame_options(schema: Schema, total_capacity: int, frame_stack: Any, next_of: Any,
+                        frame_capacity: Any) -> tuple[tuple, tuple, int | None]:
+    """The options normalized (sorted ``(name, axis)`` and ``(name, source)`` pairs,
+    the capacity); InvalidConfigError for anything that does not fit ``schema``."""
+    stack = _pairs("frame_stack", frame_stack)
+    nexts = _pairs("next_of", next_of)
+    checked_stack = []
+    for name, axis in stack:
+        field = _field(schema, "frame_stack", name)
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+            raise InvalidConfigError(f"frame_stack[{name!r}] must be an axis (an int), got {axis!r}")
+        ndim = len(field.shape)
+        if not -ndim <= axis < ndim:
+            raise InvalidConfigError(f"frame_stack[{name!r}]: axis {axis} is not an axis of "
+                                     f"{name}'s shape {field.shape}")
+        checked_stack.append((name, int(axis) % ndim))
+    sources: dict[str, str] = {}
+    for name, source in nexts:
+        target = _field(schema, "next_of", name)
+        if not isinstance(source, str):
+            raise InvalidConfigError(f"next_of[{name!r}] must name a field, got {source!r}")
+        origin = _field(schema, f"next_of[{name!r}]", source)
+        if name == source:
+            raise InvalidConfigError(f"next_of[{name!r}] names the field itself")
+        if (target.dtype, target.shape) != (origin.dtype, origin.shape):
+            raise InvalidConfigError(
+                f"next_of[{name!r}] = {source!r}: {name} is {target.dtype}{list(target.shape)}, "
+                f"{source} is {origin.dtype}{list(origin.shape)}; they must match")
+        if source in sources:
+            raise InvalidConfigError(f"next_of: {sources[source]!r} and {name!r} both name "
+                                     f"{source!r}; one field per source")
+        sources[source] = name
+    targets = {name for name, _ in nexts}
+    for name in targets:
+        if name in sources:
+            raise InvalidConfigError(f"next_of: {name!r} is the next of a field and a source")
+        if name in dict(checked_stack):
+            raise InvalidConfigError(f"{name!r} is in next_of: its frames are its source's; "
+                                     "give frame_stack for the source only")
+    if not checked_stack and not nexts:
+        if frame_capacity is not None:
+            raise InvalidConfigError("frame_capacity is for buffers with frame_stack or next_of")
+        return (), (), None
+    if frame_capacity is None:
+        frame_capacity = default_frame_capacity(total_capacity)
+    if (isinstance(frame_capacity, bool) or not isinstance(frame_capacity, (int, np.integer))
+            or not 1 <= frame_capacity <= 2**40):
+        raise InvalidConfigError(f"frame_capacity must be a positive integer, got {frame_capacity!r}")
+    return tuple(checked_stack), tuple(nexts), int(frame_capacity)
+
+
+def _pairs(label: str, value: Any) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (tuple, list)):
+        items = [tuple(pair) for pair in value]
+        if any(len(pair) != 2 for pair in items):
+            raise InvalidConfigError(f"{label} must be a mapping, got {value!r:.80}")
+    else:
+        raise InvalidConfigError(f"{label} must be a mapping, got {value!r:.80}")
+    names = [name for name, _ in items]
+    if len(set(names)) != len(names):
+        raise InvalidConfigError(f"{label} repeats a field")
+    return tuple(sorted(items))
+
+
+def _field(schema: Schema, label: str, name: Any) -> Field:
+    if not isinstance(name, str) or name not in schema.names:
+        raise InvalidConfigError(f"{label}: {name!r} is not a field of the buffer")
+    return schema[name]
+
+
+def frame_groups(schema: Schema, frame_stack: Mapping[str, int],
+                 next_of: Mapping[str, str]) -> tuple[FrameGroup, ...]:
+    """The groups of checked options, in schema order of their sources."""
+    sources = set(frame_stack) | set(next_of.values())
+    groups = []
+    for field in schema:
+        if field.name not in sources:
+            continue
+        axis = frame_stack.get(field.name)
+        if axis is None:
+            k, frame_shape = 1, field.shape
+        else:
+            k = field.shape[axis]
+            frame_shape = field.shape[:axis] + field.shape[axis + 1:]
+        targets = tuple(name for name, source in next_of.items() if source == field.name)
+        groups.append(FrameGroup(field.name, (field.name, *targets), field.dtype, axis, k,
+                                 frame_shape))
+    return tuple(groups)
+
+
+def stored_schema(schema: Schema, groups: tuple[FrameGroup, ...]) -> Schema:
+    """``schema`` with each group's fields as ``int64[k]`` frame ids."""
+    if not groups:
+        return schema
+    ids = {name: group.k for group in groups for name in group.fields}
+    return Schema([Field(f.name, ID_DTYPE, (ids[f.name],)) if f.name in ids else f
+                   for f in schema])
+
+
+def frame_regions(groups: tuple[FrameGroup, ...], capacity: int,
+                  checksums: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The file regions of the rings: ``{name: (dtype string, shape)}``."""
+    regions: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for group in groups:
+        regions[FRAMES_PREFIX + group.source] = (group.dtype.str, (capacity, *group.frame_shape))
+        regions[FRAME_ID_PREFIX + group.source] = (ID_DTYPE.str, (capacity,))
+        if checksums:
+            regions[FRAME_SUM_PREFIX + group.source] = (CHECKSUM_DTYPE.str, (capacity,))
+    return regions
+
+
+class Ring:
+    """One group's frames: ``frames[F, *frame_shape]``, the id each slot holds
+    (``ids``, -1: none yet) and, in a persistent file, each frame's checksum."""
+
+    def __init__(self, frames: np.ndarray, ids: np.ndarray, sums: np.ndarray | None):
+        self.frames, self.ids, self.sums = frames, ids, sums
+        self.capacity = len(frames)
+
+    @classmethod
+    def in_memory(cls, group: FrameGroup, capacity: int) -> "Ring":
+        return cls(np.empty((capacity, *group.frame_shape), group.dtype),
+                   np.full(capacity, -1, ID_DTYPE), None)
+
+    def write(self, first: int, frames: np.ndarray) -> None:
+        """Store frames with ids ``first, first + 1, ...`` (the frame, then its id and
+        checksum)."""
+        n, cap = len(frames), self.capacity
+        ids = np.arange(first, first + n, dtype=np.int64)
+        sums = (None if self.sums is None else
+                record_checksums({"frame": frames}, ids.astype(np.uint64)))
+        done = 0
+        while done < n:
+            slot = (first + done) % cap
+            k = min(n - done, cap - slot)
+            self.frames[slot:slot + k] = frames[done:done + k]
+            self.ids[slot:slot + k] = ids[done:done + k]
+            if sums is not None and self.sums is not None:
+                self.sums[slot:slot + k] = sums[done:done + k]
+            done += k
+
+    def frame(self, frame_id: int) -> np.ndarray:
+        return self.frames[frame_id % self.capacity]
+
+    def release(self) -> None:
+        self.frames = np.empty((0,), np.uint8)
+        self.ids = np.empty(0, ID_DTYPE)
+        self.sums = None
+
+
+class _State:
+    """A ring's bookkeeping: ``tail`` (next id), the live records' smallest ids
+    (monotone deque of ``(seq, min id)``), the recent frames by crc32."""
+
+    def __init__(self) -> None:
+        self.tail = 0
+        self.mins: collections.deque[tuple[int, int]] = collections.deque()
+        self.recent: dict[int, int] = {}
+
+    def head(self, first: int, pushed: int) -> int:
+        """The smallest id a record in ``[first, pushed)`` refers to (``tail``: none)."""
+        mins = self.mins
+        while mins and mins[0][0] < first:
+            mins.popleft()
+        while mins and mins[-1][0] >= pushed:  # taken off a stack, or never committed
+            mins.pop()
+        return mins[0][1] if mins else self.tail
+
+    def add(self, seqs: np.ndarray, lows: np.ndarray) -> None:
+        mins = self.mins
+        for seq, low in zip(seqs.tolist(), lows.tolist()):
+            while mins and mins[-1][1] >= low:
+                mins.pop()
+            mins.append((seq, low))
+
+
+class Frames:
+    """The frame rings of a buffer's groups and what pushes and reads do with them.
+
+    ``rings``: one :class:`Ring` per group (in RAM, or views of the buffer's file).
+    """
+
+    def __init__(self, groups: tuple[FrameGroup, ...], rings: list[Ring],
+                 window: int = WINDOW):
+        self.groups = groups
+        self.rings = rings
+        self.capacity = rings[0].capacity
+        self.window = max(1, min(window, max(min(64, self.capacity // 4), self.capacity // 32)))
+        self.states = [_State() for _ in groups]
+        self.group_of = {name: i for i, g in enumerate(groups) for name in g.fields}
+
+    @classmethod
+    def in_memory(cls, groups: tuple[FrameGroup, ...], capacity: int) -> "Frames":
+        return cls(groups, [Ring.in_memory(g, capacity) for g in groups])
+
+    @classmethod
+    def in_file(cls, groups: tuple[FrameGroup, ...], region: Any) -> "Frames":
+        """Rings viewing the file's regions (``region(name)``: the array, or None)."""
+        rings = []
+        for g in groups:
+            frames, ids = region(FRAMES_PREFIX + g.source), region(FRAME_ID_PREFIX + g.source)
+            if frames is None or ids is None:
+                raise InvalidConfigError(f"the buffer file has no frame ring for {g.source!r}")
+            rings.append(Ring(frames, ids, region(FRAME_SUM_PREFIX + g.source)))
+        return cls(groups, rings)
+
+    # ---- pushes ---------------------------------------------------------------------
+
+    def encode(self, batch: Mapping[str, np.ndarray], n: int, first: int, pushed: int
+               ) -> dict[str, np.ndarray]:
+        """The stored form of a validated batch of ``n`` records (seqs ``pushed`` on),
+        its new frames written to the rings. ``first``: the FIFO's oldest live seq.
+        StorageFullError, with nothing written, if a ring cannot hold them (see the
+        module doc)."""
+        stored = dict(batch)
+        plans = []
+        for i, group in enumerate(self.groups):
+            state = self.states[i]
+            head = state.head(first, pushed)
+            ids, new = self._plan(i, group, batch, n)
+            low = min([head] + [int(a.min()) for a in ids.values() if a.size])
+            if state.tail + len(new) - low > self.capacity:
+                raise StorageFullError(
+                    f"the frame store of {group.source!r} holds {self.capacity:,} frames; "
+                    f"the live records refer to {state.tail - head:,} and this push adds "
+                    f"{len(new):,}: give the buffer a larger frame_capacity (frames do not "
+                    "repeat as often as the default assumes)")
+            plans.append((ids, new))
+        seqs = np.arange(pushed, pushed + n, dtype=np.int64)
+        for i, (ids, new) in enumerate(plans):
+            state = self.states[i]
+            if new:
+                self.rings[i].write(state.tail, np.stack([frame for frame, _ in new]))
+                for j, (_, key) in enumerate(new):
+                    state.recent[key] = state.tail + j
+                state.tail += len(new)
+                self._forget(state)
+            if n:
+                state.add(seqs, np.min(np.stack([a.min(axis=1) for a in ids.values()]), axis=0))
+            stored.update(ids)
+        return stored
+
+    def _plan(self, i: int, group: FrameGroup, batch: Mapping[str, np.ndarray], n: int
+              ) -> tuple[dict[str, np.ndarray], list[tuple[np.ndarray, int]]]:
+        """Each value's frame ids, and the frames to write (with their crc32)."""
+        state, ring = self.states[i], self.rings[i]
+        tail, oldest = state.tail, state.tail - self.window
+        recent = state.recent
+        found: dict[int, int] = {}  # this push's new frames by crc32
+        new: list[tuple[np.ndarray, int]] = []
+        raws: list[bytes] = []
+        ids = {name: np.empty((n, group.k), np.int64) for name in group.fields}
+        values = {name: batch[name] if group.axis is None
+                  else np.moveaxis(batch[name], 1 + group.axis, 1) for name in group.fields}
+        for r in range(n):
+            for name in group.fields:
+                value = values[name][r]
+                out = ids[name][r]
+                for j in range(group.k):
+                    frame = np.asarray(value if group.axis is None else value[j])
+                    raw = frame.tobytes()  # bytes compared: -0.0 is not 0.0, NaN is itself
+                    key = zlib.crc32(raw)
+                    hit = found.get(key)
+                    if hit is not None and raws[hit - tail] == raw:
+                        out[j] = hit
+                        continue
+                    hit = recent.get(key)
+                    if (hit is not None and oldest <= hit < tail
+                            and ring.frame(hit).tobytes() == raw):
+                        out[j] = hit
+                        continue
+                    out[j] = found[key] = tail + len(new)
+                    new.append((frame, key))
+                    raws.append(raw)
+        return ids, new
+
+    def _forget(self, state: _State) -> None:
+        """Drop lookups of frames older than the window (now and then: amortized)."""
+        if len(state.recent) > 4 * self.window:
+            oldest = state.tail - self.window
+            state.recent = {key: i for key, i in state.recent.items() if i >= oldest}
+
+    # ---- reads ----------------------------------------------------------------------
+
+    def decode(self, name: str, ids: np.ndarray, out: np.ndarray) -> None:
+        """Field ``name`` of ``m`` records from their frame ids ``[m, k]`` into ``out``
+        (``[m, *shape]``)."""
+        i = self.group_of[name]
+        group, ring = self.groups[i], self.rings[i]
+        m = len(ids)
+        slots = np.remainder(ids.reshape(-1), ring.capacity)
+        if group.axis is None:
+            ring.frames.take(slots, axis=0, mode="clip", out=out.reshape((m,) + group.frame_shape))
+            return
+        if group.axis == 0 and out.flags.c_contiguous:
+            ring.frames.take(slots, axis=0, mode="clip",
+                             out=out.reshape((m * group.k,) + group.frame_shape))
+            return
+        frames = ring.frames.take(slots, axis=0, mode="clip").reshape(
+            (m, group.k) + group.frame_shape)
+        out[...] = np.moveaxis(frames, 1, 1 + group.axis)
+
+    def live_frames(self, first: int, pushed: int) -> list[int]:
+        """Frames each ring holds for the live records (``tail - head``)."""
+        return [state.tail - state.head(first, pushed) for state in self.states]
+
+    def stored_nbytes(self, first: int, pushed: int) -> int:
+        return sum(count * group.frame_nbytes
+                   for count, group in zip(self.live_frames(first, pushed), self.groups))
+
+    # ---- reopen ---------------------------------------------------------------------
+
+    def restore(self, seqs: np.ndarray, ids: Mapping[str, np.ndarray]) -> None:
+        """Rebuild the bookkeeping from the live, undamaged records ``seqs`` (oldest
+        first) and their stored ids (``{field: [len(seqs), k]}``)."""
+        for i, group in enumerate(self.groups):
+            state = self.states[i] = _State()
+            if not len(seqs):
+                continue
+            columns = [ids[name] for name in group.fields]
+            state.tail = max(int(c.max()) for c in columns) + 1
+            state.add(seqs, np.min(np.stack([c.min(axis=1) for c in columns]), axis=0))
+
+    def damaged(self, seqs: np.ndarray, ids: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Which of ``seqs`` (with their stored ids) refer to a frame that is not in its
+        ring (another id in its slot) or fails its checksum: a bool mask."""
+        bad = np.zeros(len(seqs), bool)
+        for i, group in enumerate(self.groups):
+            ring = self.rings[i]
+            for name in group.fields:
+                refs = ids[name]
+                wanted = np.unique(refs)
+                if not len(wanted):
+                    continue
+                slots = wanted % ring.capacity
+                wrong = (wanted < 0) | (ring.ids[slots] != wanted)
+                if ring.sums is not None:
+                    ok = np.flatnonzero(~wrong)
+                    for lo in range(0, len(ok), 4096):
+                        part = ok[lo:lo + 4096]
+                        sums = record_checksums({"frame": ring.frames[slots[part]]},
+                                                wanted[part].astype(np.uint64))
+                        wrong[part] |= sums != ring.sums[slots[part]]
+                if wrong.any():
+                    bad |= np.isin(refs, wanted[wrong]).any(axis=1)
+        return bad
+
+    def release(self) -> None:
+        for ring in self.rings:
+            ring.release()
