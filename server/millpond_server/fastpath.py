@@ -147,7 +147,9 @@ class FastPathSession(threading.Thread):
         finally:
             protocol.close_fds(fds)
             if observer is not None:  # the metrics
-                observer.call("shm", str(op), code, time.perf_counter() - start)
+                name = message.get("buffer")
+                observer.call("shm", str(op), code, time.perf_counter() - start,
+                              name if isinstance(name, str) else None)
 
     def peer_gone(self) -> bool:
         """Whether the client hung up (it sends nothing while its call waits)."""

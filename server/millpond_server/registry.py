@@ -365,6 +365,25 @@ class Registry:
         with self._lock:
             return self._held.get(name)
 
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` is a buffer of this daemon: served, or held out of service."""
+        with self._lock:
+            return name in self._buffers or name in self._held
+
+    def disk_bytes(self, name: str) -> int:
+        """The disk the file of buffer ``name`` takes: its blocks allocated (a sparse file
+        takes less than its size). 0 for a dataset (its source is not ours) or a file gone."""
+        with self._lock:
+            held = self._held.get(name)
+            dataset = isinstance(self._buffers.get(name), ReadOnlyBuffer)
+        if dataset:
+            return 0
+        try:
+            found = (held.path if held is not None else self.path(name)).lstat()
+        except (OSError, InvalidArgumentError):
+            return 0
+        return found.st_blocks * 512 if stat.S_ISREG(found.st_mode) else 0
+
     def held_list(self) -> list[HeldBuffer]:
         """The buffers held out of service, by name (a snapshot)."""
         with self._lock:
