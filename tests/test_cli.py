@@ -207,16 +207,83 @@ def test_env_vars_are_honoured_and_flags_win(tmp_path, toml_file):
             srv.proc.kill()
 
 
+# What the daemon logs at the default level (info): its lifecycle and the operators'
+# changes, never a line per call.
+LIFECYCLE = {"authentication", "open files limit", "fast-path limits", "recovery started",
+             "recovery done", "serving", "buffer created", "buffer closed", "stopping",
+             "server stopped", "buffers synced and released"}
+
+
 @pytest.mark.daemon
-def test_quiet_by_default_and_logs_are_key_value(tmp_path):
+def test_lifecycle_at_info_by_default_no_line_per_call_and_logs_are_key_value(tmp_path):
     srv = ServerProcess(tmp_path / "data").start()
-    assert srv.stop() == 0
-    assert srv.proc.stderr.read() == ""
-    srv = ServerProcess(tmp_path / "data", "--log-level", "info").start()
+    for shm in (True, False):
+        client = millpond.connect(srv.address, shm=shm)
+        buf = client.create_buffer(f"calls-{shm}", capacity=8, fields={"x": ("int64", ())})
+        for _ in range(20):
+            buf.push_batch(x=np.arange(3))
+            buf.sample(2)
+            client.list_buffers()
+        client.delete_buffer(f"calls-{shm}")
+        client.close()
     assert srv.stop(signal.SIGINT) == 0
     lines = srv.proc.stderr.read().splitlines()
-    assert lines and all(line.startswith("ts=") and " level=" in line for line in lines)
+    assert lines and all(line.startswith("ts=") and " level=info " in line for line in lines)
+    said = [re.search(r' msg=("[^"]*"|\S+)', line).group(1).strip('"') for line in lines]
+    assert set(said) == LIFECYCLE, set(said) ^ LIFECYCLE
+    assert said.count("buffer created") == 2  # one line per creation, none per call
     assert any("msg=stopping" in line and "signal=SIGINT" in line for line in lines)
+    # --log-level warning: nothing, on a healthy start and stop.
+    srv = ServerProcess(tmp_path / "data", "--log-level", "warning").start()
+    assert srv.stop() == 0
+    assert srv.proc.stderr.read() == ""
+
+
+PROGRESS_EVERY_CHUNK = """
+import sys
+
+from millpond_server import registry
+from millpond_server.cli import main
+
+registry.PROGRESS_LOG_S = 0.0  # a progress line for every chunk checked, not every 5 s
+sys.exit(main())
+"""
+
+
+@pytest.mark.daemon
+def test_recovery_logs_its_start_progress_and_end_at_the_default_level(tmp_path):
+    """A buffer of 300,000 records is checked in 5 chunks of at most 65,536 records: a
+    progress line after each of the first 4 (here after every chunk; a real daemon's at most
+    every 5 s), between the start and the end, before ``serving``."""
+    from support import engine
+
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    buf = engine({"x": ("int64", ())}, 1_000, 300_000, data / "big.buffer", persistent=True)
+    buf.push_batch({"x": np.arange(300_000)})
+    buf.release()
+    script = tmp_path / "progress_daemon.py"
+    script.write_text(PROGRESS_EVERY_CHUNK)
+    srv = ServerProcess(data, script=script).start()
+    assert srv.stop() == 0
+    lines = srv.proc.stderr.read().splitlines()
+
+    def index(needle: str) -> int:
+        return next(i for i, line in enumerate(lines) if needle in line)
+
+    started = index('msg="recovery started"')
+    assert "buffers=1" in lines[started]
+    recovering = index('msg="recovering buffer" buffer=big progress=1/1')
+    progress = [i for i, line in enumerate(lines) if 'msg="checking records" buffer=big' in line]
+    checked = [int(re.search(r" checked=(\d+)", lines[i]).group(1)) for i in progress]
+    assert checked == [65_536, 131_072, 196_608, 262_144], checked
+    assert all("live=300000" in lines[i] for i in progress)
+    assert re.search(r" percent=22\b", lines[progress[0]])
+    recovered = index('msg="buffer recovered" buffer=big records=300000')
+    done = index('msg="recovery done" buffers=1 held_out=0')
+    serving = index("msg=serving")
+    assert started < recovering < progress[0] and progress[-1] < recovered < done < serving
+    assert all(" level=info " in lines[i] for i in (started, recovering, *progress, recovered))
 
 
 @pytest.mark.daemon

@@ -128,7 +128,10 @@ SERVE_OPTIONS = (
     Option("max_message_mb", _positive_int, 512, "max gRPC message size in MiB (both ways)"),
     Option("grace", _non_negative_float, 10.0, "seconds in-flight calls get on SIGTERM/SIGINT"),
     Option("workers", _positive_int, None, "engine thread pool size (default 4-8 by CPU)"),
-    Option("log_level", _log_level, "WARNING", "debug, info, warning (default), error"),
+    Option("log_level", _log_level, "INFO",
+           "debug (also a line per call), info (default: start, recovery with its progress, "
+           "serving, creations, deletions, repairs, backups, stop; no line per call), "
+           "warning, error"),
     Option("log_format", _log_format, "text",
            "text (key=value lines) or json (one object per line, with buffer, method, peer)"),
     Option("metrics_port", _port, None,
@@ -212,7 +215,7 @@ class ServeConfig:
     max_message_mb: int = 512
     grace: float = 10.0
     workers: int = field(default_factory=_default_workers)
-    log_level: str = "WARNING"
+    log_level: str = "INFO"
     log_format: str = "text"
     metrics_port: int | None = None
     metrics_host: str | None = None  # None: --host
