@@ -299,24 +299,86 @@ def test_server_tunes_malloc_for_large_messages(tmp_path):
 
 @pytest.mark.daemon
 def test_info_prints_an_aligned_table(tmp_path, toml_file):
-    with ServerProcess(tmp_path / "data", "--config", str(toml_file)) as srv:
+    """Each buffer's state, mode, fill, counts, rate limiter, RAM and disk in a table that
+    fits 100 columns; its hot capacity, record size and fields below; ``--json`` has every
+    key of its info and the disk its file takes."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    (data / "junk.buffer").write_bytes(b"not a buffer file" * 300)  # held out of service
+    with ServerProcess(data, "--config", str(toml_file)) as srv:
+        client = millpond.connect(srv.address)
+        x = {"x": ("int64", ())}
+        apex = client.create_buffer("apex", hot_capacity=1_000, total_capacity=20_000, fields=x,
+                                    prioritized=millpond.Prioritized(alpha=0.6, beta=0.4),
+                                    rate_limiter=millpond.SampleToInsertRatio(8, 1_000, 400))
+        apex.push_batch(x=np.arange(40))
+        queue = client.create_buffer("queue", capacity=500, fields=x, mode="queue")
+        queue.push_batch(x=np.arange(120))
+        queue.sample(20)
+        capped = client.create_buffer("capped", capacity=2_000, fields=x, max_times_sampled=8,
+                                      rate_limiter=millpond.MinSize(100))
+        capped.push_batch(x=np.arange(1_500))
         result = run_cli("info", "--address", srv.address)
         assert result.returncode == 0, result.stderr
-        lines = result.stdout.splitlines()
-        assert lines[0].split() == ["NAME", "SIZE", "HOT/TOTAL", "PUSHED", "SAMPLED",
-                                    "SAMPLES/INSERT", "WAITING", "RECORD_BYTES", "FIELDS"]
-        assert [line.split()[0] for line in lines[1:]] == ["atari", "cartpole"]
-        atari = next(line for line in lines if line.startswith("atari"))
-        assert "50/50" in atari and "28,236" in atari
-        assert "obs:uint8[84,84,4] action:int64 reward:float32" in atari
-        cartpole = next(line for line in lines if line.startswith("cartpole"))
-        assert "100/1,000" in cartpole and "obs:float32[4]" in cartpole
-        # aligned: every row's FIELDS column starts where the header's does
-        col = lines[0].index("FIELDS")
-        assert all(line[col - 2: col] == "  " and line[col] != " " for line in lines[1:])
+        table, details, held = result.stdout.split("\n\n")
+        lines = table.splitlines()
+        assert lines[0].split() == ["NAME", "STATE", "MODE", "RECORDS", "PUSHED", "SAMPLED",
+                                    "WAIT", "LIMITER", "MEMORY", "DISK"]
+        assert max(len(line) for line in result.stdout.splitlines() if "held out" not in line) \
+            <= 100
+        rows = {line.split()[0]: line.split() for line in lines[1:]}
+        assert list(rows) == ["apex", "atari", "capped", "cartpole", "junk", "queue"]
+        assert rows["apex"][:8] == ["apex", "ok", "prioritized", "40/20k", "40", "0", "0", "spi"]
+        assert " spi 8 min 1k " in lines[1]
+        assert rows["atari"][:7] == ["atari", "ok", "replay", "0/50", "0", "0", "0"]
+        assert rows["queue"][:8] == ["queue", "ok", "queue", "100/500", "120", "20", "0", "queue"]
+        assert rows["capped"][:8] == ["capped", "ok", "replay", "1.5k/2k", "1.5k", "0", "0", "min"]
+        assert rows["junk"][:3] == ["junk", "unknown-format", "-"]
+        files = {name: data / f"{name}.buffer" for name in rows}
+        before = {name: path.stat().st_blocks * 512 for name, path in files.items()}
+        infos = {info["name"]: info for info in json.loads(
+            run_cli("info", "--address", srv.address, "--json").stdout)}
+        after = {name: path.stat().st_blocks * 512 for name, path in files.items()}
+        for name, row in rows.items():  # RAM and disk, as the JSON has them
+            memory, disk = row[-2:]
+            assert re.fullmatch(r"\d+(\.\d)?(B|KiB|MiB)", disk), row
+            # the blocks allocated (a file's extents may take a block more once written back)
+            assert before[name] <= infos[name]["disk_bytes"] <= after[name]
+            assert infos[name]["disk_bytes"] >= files[name].stat().st_size > 0
+            if name != "junk":
+                assert infos[name]["memory_needed"] == client.info(name).memory_needed > 0
+                assert re.fullmatch(r"\d+(\.\d)?(KiB|MiB)", memory), row
+        assert infos["apex"]["rate_limiter"] == {"samples_per_insert": 8.0,
+                                                 "min_size_to_sample": 1_000,
+                                                 "min_diff": 7_600.0, "max_diff": 8_400.0}
+        assert infos["apex"]["limiter"] == "spi 8 min 1k" and infos["atari"]["limiter"] == "-"
+        assert infos["apex"]["prioritized"] == {"alpha": 0.6, "beta": 0.4}
+        assert infos["atari"]["mode"] == "replay" and infos["atari"]["state"] == "ok"
+        assert infos["junk"]["state"] == "unknown-format" and infos["junk"]["mode"] is None
+        assert "not a millpond buffer file" in infos["junk"]["reason"]
+        # aligned: every column starts (left-aligned) or ends (numbers) where its header does
+        header = lines[0]
+        for word in ("STATE", "MODE", "LIMITER"):
+            col = header.index(word)
+            assert all(line[col - 2: col] == "  " and line[col] != " " for line in lines[1:])
+        for word in ("RECORDS", "PUSHED", "MEMORY", "DISK"):
+            end = header.index(word) + len(word)
+            assert all(line[end - 1] != " " and line[end: end + 1] in ("", " ")
+                       for line in lines[1:])
+        # below: what each buffer stores, and why one is held out of service
+        # (wrapped at 100 columns, continued under the text)
+        assert max(len(line) for line in details.splitlines()) <= 100
+        detail = {entry.split()[0]: " ".join(entry.split()) for entry in
+                  re.split(r"\n(?! )", details.strip("\n"))}
+        assert list(detail) == ["apex", "atari", "capped", "cartpole", "queue"]
+        assert detail["atari"] == ("atari hot 50, 28,236 bytes a record: obs:uint8[84,84,4] "
+                                   "action:int64 reward:float32")
+        assert "hot 100, " in detail["cartpole"] and "obs:float32[4]" in detail["cartpole"]
+        assert detail["capped"].endswith("x:int64; at most 8 draws a record")
+        assert held.strip().startswith("junk: held out of service (unknown-format): ")
         # MILLPOND_ADDRESS is the default address
         via_env = run_cli("info", env={"MILLPOND_ADDRESS": srv.address})
-        assert via_env.stdout == result.stdout
+        assert via_env.stdout.split("\n\n")[1:] == result.stdout.split("\n\n")[1:]
 
 
 def test_info_and_health_on_unreachable_server_exit_1():

@@ -107,8 +107,10 @@ def test_the_process_its_version_and_each_buffers_memory_and_disk(observed):
     assert any(key.startswith("python_info{") for key in found)
     assert found['millpond_buffer_memory_bytes{buffer="sized"}'] == buf.info()["memory_needed"] > 0
     file = observed.data_dir / "sized.buffer"
-    disk = found['millpond_buffer_disk_bytes{buffer="sized"}']
-    assert disk > 0 and disk == file.stat().st_blocks * 512
+    before = file.stat().st_blocks * 512
+    disk = scrape(observed)['millpond_buffer_disk_bytes{buffer="sized"}']
+    # the blocks allocated (the file's extents may take a block more once written back)
+    assert before <= disk <= file.stat().st_blocks * 512 and disk >= file.stat().st_size > 0
 
 
 def test_calls_are_labelled_by_buffer_only_for_buffers_the_daemon_holds(observed):
