@@ -540,6 +540,43 @@ def test_docker_entrypoint_without_a_token_refuses_to_serve(tmp_path):
     assert "Traceback" not in result.stderr and result.stdout == ""
 
 
+@pytest.mark.daemon
+@pytest.mark.parametrize("published_loopback", [False, True])
+def test_docker_entrypoint_says_tokens_travel_in_clear_text_unless_published_on_loopback(
+        tmp_path, published_loopback):
+    """The image binds 0.0.0.0 and cannot see where Docker publishes its port: it warns that
+    tokens travel in clear text, and how to say the port is on this host's loopback only
+    (the docs' ``docker run -p 127.0.0.1:... -e MILLPOND_PUBLISHED_LOOPBACK=1``); then that
+    is one info line and nothing is a warning. Authentication is required either way."""
+    entrypoint, _, _ = dockerfile_image_config()
+    env = {**_image_env(tmp_path), "MILLPOND_PORT": "0", "MILLPOND_TOKEN": "clear-text-test-token"}
+    if published_loopback:
+        env["MILLPOND_PUBLISHED_LOOPBACK"] = "1"
+    proc = subprocess.Popen(entrypoint, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=tmp_path)
+    try:
+        wait_for_ready(proc, 30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = proc.stderr.read().splitlines()
+    clear = [line for line in lines if "clear text" in line]
+    assert len(clear) == 1, lines
+    if published_loopback:
+        assert " level=info " in clear[0] and "on this host only" in clear[0]
+        assert not [line for line in lines if " level=warning " in line], lines
+    else:
+        assert " level=warning " in clear[0] and "host=0.0.0.0" in clear[0]
+        assert "--tls-cert" in clear[0] and "MILLPOND_PUBLISHED_LOOPBACK=1" in clear[0]
+    env.pop("MILLPOND_TOKEN")  # still refused without authentication
+    refused = subprocess.run(entrypoint, env=env, capture_output=True, text=True, timeout=30,
+                             cwd=tmp_path)
+    assert refused.returncode == 2 and "MILLPOND_TOKEN" in refused.stderr
+
+
 @pytest.mark.parametrize("host,expected", [
     ("0.0.0.0", "127.0.0.1:7"), ("::", "[::1]:7"), ("[::]", "[::1]:7"),
     ("127.0.0.1", "127.0.0.1:7"), ("::1", "[::1]:7"), ("192.0.2.1", "192.0.2.1:7"),

@@ -172,6 +172,10 @@ SERVE_OPTIONS = (
            "PEM CA bundle: require client certificates it signed (mTLS; admin unless a token says)"),
     Option("insecure", _bool, False,
            "allow serving beyond loopback with neither a token nor client certificates"),
+    Option("published_loopback", _bool, False,
+           "the port, bound beyond loopback, is reachable from this host only (a container's "
+           "port published on 127.0.0.1): tokens without TLS stay on this host, so the daemon "
+           "says so at info instead of warning (authentication is still required)"),
     Option("address_file", Path, None,
            "write the address clients on this host reach the server at, once serving"),
     Option("max_buffers", _positive_int, 1000, "buffers the server may hold"),
@@ -236,6 +240,7 @@ class ServeConfig:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
     insecure: bool = False
+    published_loopback: bool = False
     address_file: Path | None = None
     max_buffers: int = 1000
     max_data_gb: float | None = None
