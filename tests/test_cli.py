@@ -216,7 +216,7 @@ LIFECYCLE = {"authentication", "open files limit", "fast-path limits", "recovery
 
 @pytest.mark.daemon
 def test_lifecycle_at_info_by_default_no_line_per_call_and_logs_are_key_value(tmp_path):
-    srv = ServerProcess(tmp_path / "data").start()
+    srv = ServerProcess(tmp_path / "data", quiet=False).start()
     for shm in (True, False):
         client = millpond.connect(srv.address, shm=shm)
         buf = client.create_buffer(f"calls-{shm}", capacity=8, fields={"x": ("int64", ())})
@@ -264,7 +264,7 @@ def test_recovery_logs_its_start_progress_and_end_at_the_default_level(tmp_path)
     buf.release()
     script = tmp_path / "progress_daemon.py"
     script.write_text(PROGRESS_EVERY_CHUNK)
-    srv = ServerProcess(data, script=script).start()
+    srv = ServerProcess(data, script=script, quiet=False).start()
     assert srv.stop() == 0
     lines = srv.proc.stderr.read().splitlines()
 
