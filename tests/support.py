@@ -42,11 +42,15 @@ class ServerProcess:
 
     def __init__(self, data_dir: Path, *extra_args: str, env: dict | None = None,
                  cgroup: "MemoryCgroup | None" = None, script: str | os.PathLike | None = None,
-                 log_file: Path | None = None, preexec_fn: Callable[[], None] | None = None):
+                 log_file: Path | None = None, preexec_fn: Callable[[], None] | None = None,
+                 quiet: bool = True):
         """``script``: a daemon script to run instead of ``-m millpond_server`` (a patched
         daemon, taking the same arguments). ``log_file``: its log (stderr) goes there, to
         be read while it runs. ``preexec_fn``: run in the child before the daemon starts
-        (a cgroup's is run first)."""
+        (a cgroup's is run first). ``quiet``: it logs at warning unless ``extra_args`` or
+        ``env`` (or this environment) give a level: a test reads its stderr pipe only once
+        it stopped, and a long-lived daemon's info lines (one per buffer created) could fill
+        the pipe and block it. ``quiet=False``: at the daemon's own default (info)."""
         self.data_dir = Path(data_dir)
         self.cgroup = cgroup  # the daemon runs inside it
         self.args = [
@@ -56,6 +60,8 @@ class ServerProcess:
             *extra_args,
         ]
         self.env = {**os.environ, **(env or {})}
+        if quiet and "--log-level" not in extra_args:
+            self.env.setdefault("MILLPOND_LOG_LEVEL", "warning")
         self.log_file = log_file
         self.preexec_fn = preexec_fn
         self.proc: subprocess.Popen | None = None

@@ -207,16 +207,83 @@ def test_env_vars_are_honoured_and_flags_win(tmp_path, toml_file):
             srv.proc.kill()
 
 
+# What the daemon logs at the default level (info): its lifecycle and the operators'
+# changes, never a line per call.
+LIFECYCLE = {"authentication", "open files limit", "fast-path limits", "recovery started",
+             "recovery done", "serving", "buffer created", "buffer closed", "stopping",
+             "server stopped", "buffers synced and released"}
+
+
 @pytest.mark.daemon
-def test_quiet_by_default_and_logs_are_key_value(tmp_path):
-    srv = ServerProcess(tmp_path / "data").start()
-    assert srv.stop() == 0
-    assert srv.proc.stderr.read() == ""
-    srv = ServerProcess(tmp_path / "data", "--log-level", "info").start()
+def test_lifecycle_at_info_by_default_no_line_per_call_and_logs_are_key_value(tmp_path):
+    srv = ServerProcess(tmp_path / "data", quiet=False).start()
+    for shm in (True, False):
+        client = millpond.connect(srv.address, shm=shm)
+        buf = client.create_buffer(f"calls-{shm}", capacity=8, fields={"x": ("int64", ())})
+        for _ in range(20):
+            buf.push_batch(x=np.arange(3))
+            buf.sample(2)
+            client.list_buffers()
+        client.delete_buffer(f"calls-{shm}")
+        client.close()
     assert srv.stop(signal.SIGINT) == 0
     lines = srv.proc.stderr.read().splitlines()
-    assert lines and all(line.startswith("ts=") and " level=" in line for line in lines)
+    assert lines and all(line.startswith("ts=") and " level=info " in line for line in lines)
+    said = [re.search(r' msg=("[^"]*"|\S+)', line).group(1).strip('"') for line in lines]
+    assert set(said) == LIFECYCLE, set(said) ^ LIFECYCLE
+    assert said.count("buffer created") == 2  # one line per creation, none per call
     assert any("msg=stopping" in line and "signal=SIGINT" in line for line in lines)
+    # --log-level warning: nothing, on a healthy start and stop.
+    srv = ServerProcess(tmp_path / "data", "--log-level", "warning").start()
+    assert srv.stop() == 0
+    assert srv.proc.stderr.read() == ""
+
+
+PROGRESS_EVERY_CHUNK = """
+import sys
+
+from millpond_server import registry
+from millpond_server.cli import main
+
+registry.PROGRESS_LOG_S = 0.0  # a progress line for every chunk checked, not every 5 s
+sys.exit(main())
+"""
+
+
+@pytest.mark.daemon
+def test_recovery_logs_its_start_progress_and_end_at_the_default_level(tmp_path):
+    """A buffer of 300,000 records is checked in 5 chunks of at most 65,536 records: a
+    progress line after each of the first 4 (here after every chunk; a real daemon's at most
+    every 5 s), between the start and the end, before ``serving``."""
+    from support import engine
+
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    buf = engine({"x": ("int64", ())}, 1_000, 300_000, data / "big.buffer", persistent=True)
+    buf.push_batch({"x": np.arange(300_000)})
+    buf.release()
+    script = tmp_path / "progress_daemon.py"
+    script.write_text(PROGRESS_EVERY_CHUNK)
+    srv = ServerProcess(data, script=script, quiet=False).start()
+    assert srv.stop() == 0
+    lines = srv.proc.stderr.read().splitlines()
+
+    def index(needle: str) -> int:
+        return next(i for i, line in enumerate(lines) if needle in line)
+
+    started = index('msg="recovery started"')
+    assert "buffers=1" in lines[started]
+    recovering = index('msg="recovering buffer" buffer=big progress=1/1')
+    progress = [i for i, line in enumerate(lines) if 'msg="checking records" buffer=big' in line]
+    checked = [int(re.search(r" checked=(\d+)", lines[i]).group(1)) for i in progress]
+    assert checked == [65_536, 131_072, 196_608, 262_144], checked
+    assert all("live=300000" in lines[i] for i in progress)
+    assert re.search(r" percent=22\b", lines[progress[0]])
+    recovered = index('msg="buffer recovered" buffer=big records=300000')
+    done = index('msg="recovery done" buffers=1 held_out=0')
+    serving = index("msg=serving")
+    assert started < recovering < progress[0] and progress[-1] < recovered < done < serving
+    assert all(" level=info " in lines[i] for i in (started, recovering, *progress, recovered))
 
 
 @pytest.mark.daemon
@@ -232,24 +299,86 @@ def test_server_tunes_malloc_for_large_messages(tmp_path):
 
 @pytest.mark.daemon
 def test_info_prints_an_aligned_table(tmp_path, toml_file):
-    with ServerProcess(tmp_path / "data", "--config", str(toml_file)) as srv:
+    """Each buffer's state, mode, fill, counts, rate limiter, RAM and disk in a table that
+    fits 100 columns; its hot capacity, record size and fields below; ``--json`` has every
+    key of its info and the disk its file takes."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    (data / "junk.buffer").write_bytes(b"not a buffer file" * 300)  # held out of service
+    with ServerProcess(data, "--config", str(toml_file)) as srv:
+        client = millpond.connect(srv.address)
+        x = {"x": ("int64", ())}
+        apex = client.create_buffer("apex", hot_capacity=1_000, total_capacity=20_000, fields=x,
+                                    prioritized=millpond.Prioritized(alpha=0.6, beta=0.4),
+                                    rate_limiter=millpond.SampleToInsertRatio(8, 1_000, 400))
+        apex.push_batch(x=np.arange(40))
+        queue = client.create_buffer("queue", capacity=500, fields=x, mode="queue")
+        queue.push_batch(x=np.arange(120))
+        queue.sample(20)
+        capped = client.create_buffer("capped", capacity=2_000, fields=x, max_times_sampled=8,
+                                      rate_limiter=millpond.MinSize(100))
+        capped.push_batch(x=np.arange(1_500))
         result = run_cli("info", "--address", srv.address)
         assert result.returncode == 0, result.stderr
-        lines = result.stdout.splitlines()
-        assert lines[0].split() == ["NAME", "SIZE", "HOT/TOTAL", "PUSHED", "SAMPLED",
-                                    "SAMPLES/INSERT", "WAITING", "RECORD_BYTES", "FIELDS"]
-        assert [line.split()[0] for line in lines[1:]] == ["atari", "cartpole"]
-        atari = next(line for line in lines if line.startswith("atari"))
-        assert "50/50" in atari and "28,236" in atari
-        assert "obs:uint8[84,84,4] action:int64 reward:float32" in atari
-        cartpole = next(line for line in lines if line.startswith("cartpole"))
-        assert "100/1,000" in cartpole and "obs:float32[4]" in cartpole
-        # aligned: every row's FIELDS column starts where the header's does
-        col = lines[0].index("FIELDS")
-        assert all(line[col - 2: col] == "  " and line[col] != " " for line in lines[1:])
+        table, details, held = result.stdout.split("\n\n")
+        lines = table.splitlines()
+        assert lines[0].split() == ["NAME", "STATE", "MODE", "RECORDS", "PUSHED", "SAMPLED",
+                                    "WAIT", "LIMITER", "MEMORY", "DISK"]
+        assert max(len(line) for line in result.stdout.splitlines() if "held out" not in line) \
+            <= 100
+        rows = {line.split()[0]: line.split() for line in lines[1:]}
+        assert list(rows) == ["apex", "atari", "capped", "cartpole", "junk", "queue"]
+        assert rows["apex"][:8] == ["apex", "ok", "prioritized", "40/20k", "40", "0", "0", "spi"]
+        assert " spi 8 min 1k " in lines[1]
+        assert rows["atari"][:7] == ["atari", "ok", "replay", "0/50", "0", "0", "0"]
+        assert rows["queue"][:8] == ["queue", "ok", "queue", "100/500", "120", "20", "0", "queue"]
+        assert rows["capped"][:8] == ["capped", "ok", "replay", "1.5k/2k", "1.5k", "0", "0", "min"]
+        assert rows["junk"][:3] == ["junk", "unknown-format", "-"]
+        files = {name: data / f"{name}.buffer" for name in rows}
+        before = {name: path.stat().st_blocks * 512 for name, path in files.items()}
+        infos = {info["name"]: info for info in json.loads(
+            run_cli("info", "--address", srv.address, "--json").stdout)}
+        after = {name: path.stat().st_blocks * 512 for name, path in files.items()}
+        for name, row in rows.items():  # RAM and disk, as the JSON has them
+            memory, disk = row[-2:]
+            assert re.fullmatch(r"\d+(\.\d)?(B|KiB|MiB)", disk), row
+            # the blocks allocated (a file's extents may take a block more once written back)
+            assert before[name] <= infos[name]["disk_bytes"] <= after[name]
+            assert infos[name]["disk_bytes"] >= files[name].stat().st_size > 0
+            if name != "junk":
+                assert infos[name]["memory_needed"] == client.info(name).memory_needed > 0
+                assert re.fullmatch(r"\d+(\.\d)?(KiB|MiB)", memory), row
+        assert infos["apex"]["rate_limiter"] == {"samples_per_insert": 8.0,
+                                                 "min_size_to_sample": 1_000,
+                                                 "min_diff": 7_600.0, "max_diff": 8_400.0}
+        assert infos["apex"]["limiter"] == "spi 8 min 1k" and infos["atari"]["limiter"] == "-"
+        assert infos["apex"]["prioritized"] == {"alpha": 0.6, "beta": 0.4}
+        assert infos["atari"]["mode"] == "replay" and infos["atari"]["state"] == "ok"
+        assert infos["junk"]["state"] == "unknown-format" and infos["junk"]["mode"] is None
+        assert "not a millpond buffer file" in infos["junk"]["reason"]
+        # aligned: every column starts (left-aligned) or ends (numbers) where its header does
+        header = lines[0]
+        for word in ("STATE", "MODE", "LIMITER"):
+            col = header.index(word)
+            assert all(line[col - 2: col] == "  " and line[col] != " " for line in lines[1:])
+        for word in ("RECORDS", "PUSHED", "MEMORY", "DISK"):
+            end = header.index(word) + len(word)
+            assert all(line[end - 1] != " " and line[end: end + 1] in ("", " ")
+                       for line in lines[1:])
+        # below: what each buffer stores, and why one is held out of service
+        # (wrapped at 100 columns, continued under the text)
+        assert max(len(line) for line in details.splitlines()) <= 100
+        detail = {entry.split()[0]: " ".join(entry.split()) for entry in
+                  re.split(r"\n(?! )", details.strip("\n"))}
+        assert list(detail) == ["apex", "atari", "capped", "cartpole", "queue"]
+        assert detail["atari"] == ("atari hot 50, 28,236 bytes a record: obs:uint8[84,84,4] "
+                                   "action:int64 reward:float32")
+        assert "hot 100, " in detail["cartpole"] and "obs:float32[4]" in detail["cartpole"]
+        assert detail["capped"].endswith("x:int64; at most 8 draws a record")
+        assert held.strip().startswith("junk: held out of service (unknown-format): ")
         # MILLPOND_ADDRESS is the default address
         via_env = run_cli("info", env={"MILLPOND_ADDRESS": srv.address})
-        assert via_env.stdout == result.stdout
+        assert via_env.stdout.split("\n\n")[1:] == result.stdout.split("\n\n")[1:]
 
 
 def test_info_and_health_on_unreachable_server_exit_1():
@@ -409,6 +538,43 @@ def test_docker_entrypoint_without_a_token_refuses_to_serve(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "MILLPOND_TOKEN" in result.stderr and "--insecure" in result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+@pytest.mark.daemon
+@pytest.mark.parametrize("published_loopback", [False, True])
+def test_docker_entrypoint_says_tokens_travel_in_clear_text_unless_published_on_loopback(
+        tmp_path, published_loopback):
+    """The image binds 0.0.0.0 and cannot see where Docker publishes its port: it warns that
+    tokens travel in clear text, and how to say the port is on this host's loopback only
+    (the docs' ``docker run -p 127.0.0.1:... -e MILLPOND_PUBLISHED_LOOPBACK=1``); then that
+    is one info line and nothing is a warning. Authentication is required either way."""
+    entrypoint, _, _ = dockerfile_image_config()
+    env = {**_image_env(tmp_path), "MILLPOND_PORT": "0", "MILLPOND_TOKEN": "clear-text-test-token"}
+    if published_loopback:
+        env["MILLPOND_PUBLISHED_LOOPBACK"] = "1"
+    proc = subprocess.Popen(entrypoint, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=tmp_path)
+    try:
+        wait_for_ready(proc, 30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = proc.stderr.read().splitlines()
+    clear = [line for line in lines if "clear text" in line]
+    assert len(clear) == 1, lines
+    if published_loopback:
+        assert " level=info " in clear[0] and "on this host only" in clear[0]
+        assert not [line for line in lines if " level=warning " in line], lines
+    else:
+        assert " level=warning " in clear[0] and "host=0.0.0.0" in clear[0]
+        assert "--tls-cert" in clear[0] and "MILLPOND_PUBLISHED_LOOPBACK=1" in clear[0]
+    env.pop("MILLPOND_TOKEN")  # still refused without authentication
+    refused = subprocess.run(entrypoint, env=env, capture_output=True, text=True, timeout=30,
+                             cwd=tmp_path)
+    assert refused.returncode == 2 and "MILLPOND_TOKEN" in refused.stderr
 
 
 @pytest.mark.parametrize("host,expected", [

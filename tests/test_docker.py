@@ -214,7 +214,7 @@ def test_authenticated_client_through_the_published_port(containers):
     np.testing.assert_array_equal(batch["x"][:, 0], batch["step"] * 3)
     assert client.transport == "grpc"  # another network namespace: no fast path
     info = docker("exec", name, "millpond", "info").stdout
-    assert info.splitlines()[1].split()[:2] == ["docker", "100"]
+    assert info.splitlines()[1].split()[:4] == ["docker", "ok", "replay", "100/1k"]
     client.close()
 
     stranger = millpond.connect(address, timeout=10)  # no token, none in the environment

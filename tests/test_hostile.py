@@ -432,8 +432,11 @@ def test_a_failed_start_says_why_and_nothing_else(tmp_path):
         capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    # A RAM-only buffer this large is refused for memory before the disk is asked.
-    assert len(lines) == 1 and "needs" in lines[0] and "available" in lines[0], proc.stderr
+    # A RAM-only buffer this large is refused for memory before the disk is asked. Before
+    # it, only the start's info lines (the default level): no warning, error or traceback.
+    assert "needs" in lines[-1] and "available" in lines[-1], proc.stderr
+    assert lines[-1].startswith("millpond serve: ")
+    assert all(line.startswith("ts=") and " level=info " in line for line in lines[:-1]), lines
     assert not any(p.name.endswith(".tmp") for p in (tmp_path / "data").iterdir())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 import re
 import subprocess
 import sys
@@ -73,10 +74,12 @@ def test_buffers_calls_waits_and_the_fast_path_are_counted(observed):
         assert found[f'millpond_buffer_bytes_out_total{{buffer="{name}"}}'] == 40
         assert found[f'millpond_buffer_evicted_records_total{{buffer="{name}"}}'] == 2
         assert found[f'millpond_rate_limiter_wait_seconds_count{{buffer="{name}",kind="sample"}}'] == 1
-        assert found[f'millpond_rpc_duration_seconds_count{{method="Sample",transport="{transport}"}}'] == 2
+        assert found[f'millpond_rpc_duration_seconds_count{{buffer="{name}",method="Sample",'
+                     f'transport="{transport}"}}'] == 2
         assert found[f'millpond_rpc_errors_total{{code="DEADLINE_EXCEEDED",method="Sample",'
                      f'transport="{transport}"}}'] == 1
-    assert found['millpond_rpc_duration_seconds_count{method="Create",transport="grpc"}'] == 2
+        assert found[f'millpond_rpc_duration_seconds_count{{buffer="{name}",method="Create",'
+                     'transport="grpc"}'] == 1
     assert found["millpond_ready"] == 1 and found["millpond_buffers"] == 2
     assert found["millpond_shm_sessions"] >= 1 and found["millpond_shm_bytes"] > 0
     # A gRPC client's stream of samples stays open: a call of one host, no request held.
@@ -87,8 +90,57 @@ def test_buffers_calls_waits_and_the_fast_path_are_counted(observed):
     assert found["millpond_grpc_inflight_bytes"] == 0
 
 
+def test_the_process_its_version_and_each_buffers_memory_and_disk(observed):
+    """The process's memory, CPU and open files (prometheus-client's collectors), the
+    version, and per buffer the RAM its engine keeps resident and the disk its file takes."""
+    buf = millpond.connect(observed.address).create_buffer(
+        "sized", hot_capacity=64, total_capacity=4096, fields={"obs": ("float32", (16,))},
+        prioritized=millpond.Prioritized(alpha=0.6, beta=0.4))
+    buf.push_batch(obs=np.ones((100, 16), np.float32))
+    found = scrape(observed)
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total",
+                 "process_open_fds", "process_max_fds", "process_start_time_seconds"):
+        assert found[name] > 0, name
+    assert found["process_open_fds"] < found["process_max_fds"]
+    python = platform.python_version()
+    assert found[f'millpond_build_info{{python="{python}",version="{millpond.__version__}"}}'] == 1
+    assert any(key.startswith("python_info{") for key in found)
+    assert found['millpond_buffer_memory_bytes{buffer="sized"}'] == buf.info()["memory_needed"] > 0
+    file = observed.data_dir / "sized.buffer"
+    before = file.stat().st_blocks * 512
+    disk = scrape(observed)['millpond_buffer_disk_bytes{buffer="sized"}']
+    # the blocks allocated (the file's extents may take a block more once written back)
+    assert before <= disk <= file.stat().st_blocks * 512 and disk >= file.stat().st_size > 0
+
+
+def test_calls_are_labelled_by_buffer_only_for_buffers_the_daemon_holds(observed):
+    """A name no buffer has is no label (a client cannot grow the series by making names
+    up), and the series of a deleted buffer go with it."""
+    client = millpond.connect(observed.address, shm=False)
+    for i in range(20):
+        with pytest.raises(millpond.BufferNotFoundError):
+            client.info(f"made-up-{i}")
+    buf = client.create_buffer("short-lived", capacity=4, fields=FIELDS)
+    buf.push_batch(x=np.arange(2))
+    found = scrape(observed)
+    assert not [key for key in found if "made-up" in key]
+    assert found['millpond_rpc_duration_seconds_count{buffer="",method="Info",transport="grpc"}'] >= 20
+    assert found['millpond_rpc_duration_seconds_count{buffer="short-lived",method="PushBatch",'
+                 'transport="grpc"}'] == 1
+    client.delete_buffer("short-lived")
+    assert not [key for key in scrape(observed) if 'buffer="short-lived"' in key]
+
+
+def exported_names(server) -> set[str]:
+    """The metric families the server declares (``# TYPE`` lines: also those with no
+    series now, e.g. buffers held out of service) and the names of its samples."""
+    text = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
+    declared = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+    return declared | {key.partition("{")[0] for key in scrape(server)}
+
+
 def test_the_dashboard_plots_only_metrics_the_server_exports(observed):
-    exported = {key.partition("{")[0] for key in scrape(observed)}
+    exported = exported_names(observed)
     dashboard = json.loads(DASHBOARD.read_text())
     queried = {name for panel in dashboard["panels"] for target in panel["targets"]
                for name in re.findall(r"\b(millpond_\w+)", target["expr"])}

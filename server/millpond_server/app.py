@@ -277,8 +277,7 @@ def _freeze_startup_objects() -> None:
 def _recover_and_declare(registry: Registry, cfg: ServeConfig) -> None:
     """Reopen the data directory's buffers, load the datasets to serve, then create
     the buffers the TOML declares."""
-    recovered = registry.recover()
-    log.info("recovery done", extra={"kv": {"buffers": recovered}})
+    registry.recover()  # logs its start, each buffer, progress and its end
     for dataset in cfg.datasets:
         registry.add_dataset(dataset.name, dataset.path)
     for spec in cfg.buffers:

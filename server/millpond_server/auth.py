@@ -299,8 +299,19 @@ def load_auth(cfg: ServeConfig) -> Auth:
             f"port could read, change and delete every buffer. To fix it, {_FIX}; or pass "
             "--insecure (MILLPOND_INSECURE=1) to serve unauthenticated anyway")
     if tokens and cfg.tls_cert is None and not is_loopback(cfg.host):
-        log.warning("tokens travel in clear text beyond this host: add --tls-cert and --tls-key",
-                    extra={"kv": {"host": cfg.host}})
+        # The daemon cannot see where its port is published: in a container it binds
+        # 0.0.0.0 even when Docker publishes the port on the host's 127.0.0.1 only (the
+        # recommended `docker run -p 127.0.0.1:...`). The operator says so.
+        if cfg.published_loopback:
+            log.info("tokens travel in clear text, on this host only: the port is published "
+                     "on loopback (--published-loopback)", extra={"kv": {"host": cfg.host}})
+        else:
+            log.warning("tokens travel in clear text to this port: anyone on the network "
+                        "between a client and it can read them", extra={"kv": {
+                            "host": cfg.host, "fix": "clients on other hosts: add --tls-cert "
+                            "and --tls-key; if the port is reachable from this host only (a "
+                            "container's port published on 127.0.0.1), say so with "
+                            "MILLPOND_PUBLISHED_LOOPBACK=1"}})
     return auth
 
 

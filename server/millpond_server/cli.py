@@ -8,9 +8,12 @@ cannot bind); 2 bad usage or configuration (flags, environment, TOML).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import os
 import sys
+import textwrap
 from typing import Any, Sequence
 
 import grpc
@@ -57,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "or 127.0.0.1:50051]")
         p.add_argument("--timeout", type=float, default=CLIENT_TIMEOUT_S,
                        help=f"seconds to wait for the answer (default {CLIENT_TIMEOUT_S})")
+        if name == "info":
+            p.add_argument("--json", action="store_true",
+                           help="print a JSON list: every key of each buffer's info, and "
+                           "disk_bytes")
     add_inspect_parser(sub)
     add_operator_commands(sub)  # delete, export, backup, repair, restore
     return parser
@@ -75,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     address = args.address or _default_address()
     try:
         if args.command == "info":
-            return cmd_info(address, args.timeout)
+            return cmd_info(address, args.timeout, args.json)
         return cmd_health(address, args.timeout)
     except InvalidConfigError as exc:  # MILLPOND_TOKEN / MILLPOND_TLS_* unusable
         print(f"millpond {args.command}: {exc}", file=sys.stderr)
@@ -133,37 +140,127 @@ def _fields_text(config: Any) -> str:
     import numpy as np
 
     parts = []
-    for f in config.fields:
-        dtype = np.dtype(f.dtype).name
-        shape = "" if not f.shape else "[" + ",".join(str(d) for d in f.shape) + "]"
-        parts.append(f"{f.name}:{dtype}{shape}")
+    for name, (dtype, shape) in config.schema.spec().items():
+        dims = "" if not shape else "[" + ",".join(str(d) for d in shape) + "]"
+        parts.append(f"{name}:{np.dtype(dtype).name}{dims}")
     return " ".join(parts)
 
 
-def format_table(buffers: list[Any]) -> str:
-    header = ("NAME", "SIZE", "HOT/TOTAL", "PUSHED", "SAMPLED", "SAMPLES/INSERT", "WAITING",
-              "RECORD_BYTES", "FIELDS")
-    rows = [
-        (b.name, f"{b.size:,}", f"{b.config.hot_capacity:,}/{b.config.total_capacity:,}",
-         f"{b.pushed:,}", f"{b.samples:,}", f"{b.samples_per_insert:.2f}",
-         f"{b.waiting_inserts + b.waiting_samples:,}", f"{b.record_nbytes:,}",
-         _fields_text(b.config))
-        if b.state in ("", "ok") else  # held out of service: its state, the reason below
-        (b.name, *["-"] * (len(header) - 2), f"HELD OUT OF SERVICE ({b.state})")
-        for b in buffers
-    ]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    right = set(range(1, len(header) - 1))  # numbers align right
+def _short(value: float, unit: str) -> str:
+    """``value`` (>= 1) in at most 3 digits: 2.7, 28, 886; then ``unit``."""
+    return f"{value:.1f}".rstrip("0").rstrip(".") + unit if value < 10 else f"{value:,.0f}{unit}"
+
+
+def _count(n: int) -> str:
+    """``n`` in a few characters: 950, 1.5k, 28k, 100k, 2M (thousands, millions, billions)."""
+    for unit, size in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            return _short(n / size, unit)
+    return str(n)
+
+
+def _nbytes(n: int) -> str:
+    """``n`` bytes in powers of 1024: 512B, 48KiB, 2.7MiB, 120GiB."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return _short(n / size, unit)
+    return f"{n}B"
+
+
+def _mode_text(config: Any) -> str:
+    if config is None:
+        return "-"
+    return "prioritized" if config.prioritized is not None else config.mode
+
+
+def limiter_text(limiter: Any) -> str:
+    """A rate limiter in a few words: ``-`` (none), ``min 1k`` (MinSize), ``queue 500``
+    (Queue), ``spi 8 min 1k`` (SampleToInsertRatio: samples per insert, min size)."""
+    if limiter is None:
+        return "-"
+    spi, size = limiter.samples_per_insert, limiter.min_size_to_sample
+    unbounded = limiter.min_diff == -math.inf and limiter.max_diff == math.inf
+    if spi == 1 and unbounded:
+        return f"min {_count(size)}"
+    if spi == 1 and size == 1 and limiter.min_diff == 0 and limiter.max_diff != math.inf:
+        return f"queue {_count(int(limiter.max_diff))}"
+    return f"spi {spi:g} min {_count(size)}"
+
+
+INFO_COLUMNS = 100  # where the lines below the table wrap
+INFO_HEADER = ("NAME", "STATE", "MODE", "RECORDS", "PUSHED", "SAMPLED", "WAIT", "LIMITER",
+               "MEMORY", "DISK")
+
+
+def format_table(buffers: list[tuple[Any, int]]) -> str:
+    """``millpond info``'s table of ``(info, disk bytes)`` pairs, in 100 columns for names
+    of up to about 12 characters: one row per buffer (counts in at most 3 digits and k, M,
+    G; bytes in powers of 1024), then each served buffer's hot capacity, record size and
+    fields, then why each buffer held out of service is."""
+    rows, details, held = [], [], []
+    for info, disk in buffers:
+        config = info.config
+        if info.ok:
+            rows.append((info.name, info.state, _mode_text(config),
+                         f"{_count(info.size)}/{_count(config.total_capacity)}",
+                         _count(info.pushed), _count(info.samples),
+                         _count(info.waiting_inserts + info.waiting_samples),
+                         limiter_text(config.rate_limiter), _nbytes(info.memory_needed),
+                         _nbytes(disk)))
+            text = (f"hot {config.hot_capacity:,}, {config.schema.record_nbytes:,} bytes a "
+                    f"record: {_fields_text(config)}")
+            if config.max_times_sampled:
+                text += f"; at most {config.max_times_sampled:,} draws a record"
+            if config.episodes:
+                text += "; episodes"
+            details.append((info.name, text))
+        else:  # held out of service: its state; why, below the table
+            rows.append((info.name, info.state, _mode_text(config), "-", "-", "-", "-",
+                         "-" if config is None else limiter_text(config.rate_limiter), "-",
+                         _nbytes(disk)))
+            held.append(f"{info.name}: held out of service ({info.state}): {info.reason}")
+    widths = [max(len(r[i]) for r in [INFO_HEADER, *rows]) for i in range(len(INFO_HEADER))]
+    right = {3, 4, 5, 6, 8, 9}  # numbers align right
 
     def line(row: Sequence[str]) -> str:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        cells = [c.rjust(w) if i in right else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(row, widths))]
         return "  ".join(cells).rstrip()
 
-    return "\n".join(line(r) for r in [header, *rows])
+    out = [line(r) for r in [INFO_HEADER, *rows]]
+    if details:  # wrapped at 100 columns, under the text
+        indent = " " * (max(len(name) for name, _ in details) + 2)
+        out.append("")
+        out += [textwrap.fill(text, INFO_COLUMNS, initial_indent=name.ljust(len(indent)),
+                              subsequent_indent=indent, break_long_words=False,
+                              break_on_hyphens=False) for name, text in details]
+    if held:  # why, and what to do: millpond repair NAME / delete NAME
+        out += ["", *held]
+    return "\n".join(out)
 
 
-def cmd_info(address: str, timeout: float) -> int:
+def info_json(info: Any, disk: int) -> dict[str, Any]:
+    """One buffer of ``millpond info --json``: its info's keys (the config's settings too;
+    infinities as None), ``disk_bytes``, and ``limiter``, the table's words for it."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, float) and math.isinf(value):
+            return None
+        if isinstance(value, dict):
+            return {key: plain(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(item) for item in value]
+        return value
+
+    entry = {key: plain(info[key]) for key in info}
+    entry["disk_bytes"] = disk
+    entry["limiter"] = ("-" if info.config is None
+                        else limiter_text(info.config.rate_limiter))
+    return entry
+
+
+def cmd_info(address: str, timeout: float, as_json: bool = False) -> int:
     from millpond.v1 import replay_pb2, replay_pb2_grpc
+    from millpond.wire.codec import info_from_proto
 
     channel, metadata = _channel(address)
     with channel:
@@ -173,15 +270,14 @@ def cmd_info(address: str, timeout: float) -> int:
                 metadata=metadata)
         except grpc.RpcError as exc:
             return _unreachable("info", address, exc)
-    if not reply.buffers:
+    buffers = [(info_from_proto(message), message.disk_bytes) for message in reply.buffers]
+    if as_json:
+        print(json.dumps([info_json(info, disk) for info, disk in buffers], indent=2))
+        return 0
+    if not buffers:
         print(f"no buffers on {address}")
         return 0
-    print(format_table(reply.buffers))
-    held = [b for b in reply.buffers if b.state not in ("", "ok")]
-    if held:  # why, and what to do: millpond repair NAME / delete NAME
-        print()
-        for b in held:
-            print(f"{b.name}: held out of service ({b.state}): {b.reason}")
+    print(format_table(buffers))
     return 0
 
 

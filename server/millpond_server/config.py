@@ -128,7 +128,10 @@ SERVE_OPTIONS = (
     Option("max_message_mb", _positive_int, 512, "max gRPC message size in MiB (both ways)"),
     Option("grace", _non_negative_float, 10.0, "seconds in-flight calls get on SIGTERM/SIGINT"),
     Option("workers", _positive_int, None, "engine thread pool size (default 4-8 by CPU)"),
-    Option("log_level", _log_level, "WARNING", "debug, info, warning (default), error"),
+    Option("log_level", _log_level, "INFO",
+           "debug (also a line per call), info (default: start, recovery with its progress, "
+           "serving, creations, deletions, repairs, backups, stop; no line per call), "
+           "warning, error"),
     Option("log_format", _log_format, "text",
            "text (key=value lines) or json (one object per line, with buffer, method, peer)"),
     Option("metrics_port", _port, None,
@@ -169,6 +172,10 @@ SERVE_OPTIONS = (
            "PEM CA bundle: require client certificates it signed (mTLS; admin unless a token says)"),
     Option("insecure", _bool, False,
            "allow serving beyond loopback with neither a token nor client certificates"),
+    Option("published_loopback", _bool, False,
+           "the port, bound beyond loopback, is reachable from this host only (a container's "
+           "port published on 127.0.0.1): tokens without TLS stay on this host, so the daemon "
+           "says so at info instead of warning (authentication is still required)"),
     Option("address_file", Path, None,
            "write the address clients on this host reach the server at, once serving"),
     Option("max_buffers", _positive_int, 1000, "buffers the server may hold"),
@@ -212,7 +219,7 @@ class ServeConfig:
     max_message_mb: int = 512
     grace: float = 10.0
     workers: int = field(default_factory=_default_workers)
-    log_level: str = "WARNING"
+    log_level: str = "INFO"
     log_format: str = "text"
     metrics_port: int | None = None
     metrics_host: str | None = None  # None: --host
@@ -233,6 +240,7 @@ class ServeConfig:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
     insecure: bool = False
+    published_loopback: bool = False
     address_file: Path | None = None
     max_buffers: int = 1000
     max_data_gb: float | None = None

@@ -112,7 +112,8 @@ class FastPathSession(threading.Thread):
             except TimeoutError:
                 why = (f"no request for {limits.idle_s:g} s (--shm-idle-s)" if self.greeted else
                        f"no successful hello within {limits.hello_s:g} s (--shm-hello-s)")
-                log.info("fast-path session closed", extra={"kv": {"pid": self.pid, "why": why}})
+                # Debug: per session, and the client replaces it unnoticed at its next call.
+                log.debug("fast-path session closed", extra={"kv": {"pid": self.pid, "why": why}})
                 return
             except InvalidArgumentError as exc:  # malformed message: say so, keep serving
                 protocol.send(self.conn, protocol.error_reply(exc))
@@ -147,7 +148,9 @@ class FastPathSession(threading.Thread):
         finally:
             protocol.close_fds(fds)
             if observer is not None:  # the metrics
-                observer.call("shm", str(op), code, time.perf_counter() - start)
+                name = message.get("buffer")
+                observer.call("shm", str(op), code, time.perf_counter() - start,
+                              name if isinstance(name, str) else None)
 
     def peer_gone(self) -> bool:
         """Whether the client hung up (it sends nothing while its call waits)."""

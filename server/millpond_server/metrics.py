@@ -7,21 +7,33 @@ Nothing here is on the push/sample path of the engine:
 
 * per buffer, numbers the engine counts anyway are read at scrape time
   (:class:`_Collector`: sizes, capacities, inserts, samples, bytes in and
-  out, records that left, calls waiting now);
-* per call, the transports report the method, the transport, the outcome
-  (a gRPC status name) and the seconds it took (:meth:`Metrics.call`: a
-  histogram observation and, on failure, a counter);
+  out, records that left, calls waiting now, the RAM it keeps resident), and
+  the disk its file takes (a ``stat``);
+* per call, the transports report the method, the transport, the buffer
+  named, the outcome (a gRPC status name) and the seconds it took
+  (:meth:`Metrics.call`: a histogram observation and, on failure, a counter);
 * each wait for a rate limiter is a histogram observation when it ends
   (:meth:`Metrics.wait`);
 * recovery progress, the fast path's sessions and shared memory, and the gRPC
   edge's open calls and bytes in flight are read at scrape time from the
   registry, the listener and the gate; calls the gate refuses are counted as
-  failed calls.
+  failed calls;
+* the process (``process_*``: memory, CPU, open files and their limit) and
+  Python (``python_info``) from prometheus-client's own collectors, and the
+  daemon's version (``millpond_build_info``).
+
+The ``buffer`` label of a call names a buffer the daemon holds (served or
+held out of service), else it is empty: a call naming no buffer (List,
+Negotiate), or a name no buffer has (a typo, a hostile client's made-up
+names), adds no series. Series of buffers deleted since are dropped at the
+next scrape, so their number follows the buffers held (``--max-buffers``).
 """
 
 from __future__ import annotations
 
 import logging
+import platform
+import threading
 from typing import TYPE_CHECKING, Any, Iterator
 
 from millpond.core import TieredBuffer
@@ -69,16 +81,36 @@ class Metrics:
     """The daemon's metrics, in a registry of their own; see the module docstring."""
 
     def __init__(self, registry: Registry, ops: Operations):
-        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client import (
+            CollectorRegistry,
+            Counter,
+            Histogram,
+            Info,
+            PlatformCollector,
+            ProcessCollector,
+        )
+
+        import millpond
 
         self.registry = registry
         self.ops = ops
         self.fastpath: FastPathServer | None = None
         self.gate: Gate | None = None
         self.prometheus = CollectorRegistry(auto_describe=True)
+        self._labels: set[str] = set()  # buffer names in per-buffer series
+        self._labels_lock = threading.Lock()
+        self.prometheus.register(_ForgetGone(self))  # first: before the series are read
+        # process_*: resident and virtual memory, CPU seconds, open files and their limit,
+        # start time (from /proc; nothing where there is none); python_info.
+        ProcessCollector(registry=self.prometheus)
+        PlatformCollector(registry=self.prometheus)
+        Info("millpond_build", "The daemon's version, and the Python running it",
+             registry=self.prometheus).info({"version": millpond.__version__,
+                                             "python": platform.python_version()})
         self.latency = Histogram(
-            "millpond_rpc_duration_seconds", "Calls by method and transport, and how long they "
-            "took (waits for rate limiters included)", ["method", "transport"],
+            "millpond_rpc_duration_seconds", "Calls by method, transport and buffer (empty: "
+            "none, or one the daemon does not hold), and how long they took (waits for rate "
+            "limiters included)", ["method", "transport", "buffer"],
             buckets=LATENCY_BUCKETS, registry=self.prometheus)
         self.errors = Counter(
             "millpond_rpc_errors", "Failed calls by method, transport and gRPC status code",
@@ -92,11 +124,16 @@ class Metrics:
 
     # ---- what the transports and the operations layer report ------------------------------
 
-    def call(self, transport: str, method: str, code: str, seconds: float) -> None:
-        """One call ended (``code``: "OK" or the gRPC status name of its error)."""
+    def call(self, transport: str, method: str, code: str, seconds: float,
+             buffer: str | None = None) -> None:
+        """One call ended (``code``: "OK" or the gRPC status name of its error); ``buffer``:
+        the name it gave, if any (labelled only if the daemon holds such a buffer)."""
         if transport == "shm":
             method = SHM_METHODS.get(method, "ShmUnknown")
-        self.latency.labels(method, transport).observe(seconds)
+        label = buffer if buffer and self.registry.holds(buffer) else ""
+        if label:
+            self._labelled(label)
+        self.latency.labels(method, transport, label).observe(seconds)
         if code != "OK":
             self.errors.labels(method, transport, code).inc()
 
@@ -104,10 +141,33 @@ class Metrics:
         """The gRPC edge ended a call before it was served (:class:`.edge.Gate`)."""
         self.errors.labels(method, "grpc", code).inc()
 
+    def _labelled(self, name: str) -> None:
+        """Note that series are labelled with buffer ``name`` (see :meth:`forget_gone`)."""
+        if name not in self._labels:
+            with self._labels_lock:
+                self._labels.add(name)
+
+    def forget_gone(self) -> None:
+        """Drop the per-buffer series of buffers the daemon no longer holds (deleted). A
+        buffer made again under such a name starts its series anew."""
+        with self._labels_lock:
+            gone_names = {name for name in self._labels if not self.registry.holds(name)}
+            self._labels -= gone_names
+        if not gone_names:
+            return
+        for metric, labels in ((self.latency, ("method", "transport", "buffer")),
+                               (self.waits, ("buffer", "kind"))):
+            gone = {tuple(sample.labels[label] for label in labels)
+                    for family in metric.collect() for sample in family.samples
+                    if sample.labels.get("buffer") in gone_names}
+            for values in gone:
+                metric.remove(*values)
+
     def wait(self, buffer: TieredBuffer, kind: str, seconds: float) -> None:
         """A call waited ``seconds`` for ``buffer``'s rate limiter (it may still fail)."""
         name = next((n for n, b in self.registry.list() if b is buffer), None)
         if name is not None:
+            self._labelled(name)
             self.waits.labels(name, kind).observe(seconds)
 
     # ---- serving ---------------------------------------------------------------------------
@@ -125,6 +185,21 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _ForgetGone:
+    """Collected first at each scrape: drops the series of buffers deleted since the last
+    (:meth:`Metrics.forget_gone`), so they are not in this scrape. Yields nothing."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        self.metrics.forget_gone()
+        return iter(())
 
 
 class _Collector:
@@ -166,7 +241,12 @@ class _Collector:
         left_out = family(gauge, "millpond_buffer_damaged_records", "Live records of a served "
                           "buffer left out as damaged at recovery (--recover skip-corrupt "
                           "without room to rewrite it)")
-        for name, buffer in self.metrics.registry.list():
+        memory = family(gauge, "millpond_buffer_memory_bytes", "RAM the buffer keeps resident: "
+                        "its hot tier, sum trees, per-slot arrays not in its file")
+        disk = family(gauge, "millpond_buffer_disk_bytes", "Disk its file takes (blocks "
+                      "allocated; buffers held out of service too)")
+        registry = self.metrics.registry
+        for name, buffer in registry.list():
             try:
                 info = self.metrics.ops.info(name, buffer)  # with the waits its owner parked
             except Exception:  # closed while we looked: gone from the next scrape
@@ -185,10 +265,14 @@ class _Collector:
             waiting.add_metric([name, "insert"], info.waiting_inserts)
             waiting.add_metric([name, "sample"], info.waiting_samples)
             left_out.add_metric([name], info.damaged)
-        for held in self.metrics.registry.held_list():
-            damaged.add_metric([held.name, held.state], 1)
+            memory.add_metric([name], info.memory_needed)
+            disk.add_metric([name], registry.disk_bytes(name))
+        held = registry.held_list()
+        for entry in held:
+            damaged.add_metric([entry.name, entry.state], 1)
+            disk.add_metric([entry.name], registry.disk_bytes(entry.name))
         yield from (size, records, capacity, inserts, samples, bytes_in, bytes_out, evicted,
-                    waiting, damaged, left_out)
+                    waiting, damaged, left_out, memory, disk)
         yield from self._recovery(gauge)
         yield from self._fastpath(gauge)
         yield from self._edge(gauge)

@@ -8,8 +8,9 @@ as PushBatch calls), it:
 * sets :data:`.logs.CALL` for the call's task, so every line logged while
   serving it names its ``method``, ``peer`` and ``buffer`` (the name is read
   from the request bytes only when a line is logged);
-* reports the method, the outcome (``OK`` or the gRPC status name) and the
-  seconds taken to :meth:`.metrics.Metrics.call`;
+* reports the method, the outcome (``OK`` or the gRPC status name), the
+  seconds taken and the buffer named (read from the request's bytes) to
+  :meth:`.metrics.Metrics.call`;
 * logs one ``call`` line at debug level.
 
 The fast path reports its calls to the same place from its session threads
@@ -25,6 +26,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from millpond.v1 import replay_pb2 as pb
 from millpond.wire.frames import decode_name
 
 from .logs import CALL
@@ -32,9 +34,10 @@ from .service import STREAMED
 
 log = logging.getLogger("millpond.calls")
 
-# Methods whose request has the buffer name in field 1.
-NAMED = frozenset(("Create", "Push", "PushBatch", "Sample", "Delete", "Info", "UpdatePriorities",
-                   "SetBeta"))
+# Methods whose request has the buffer name in field 1 (all that name one).
+NAMED = frozenset(
+    method.name for method in pb.DESCRIPTOR.services_by_name["Replay"].methods
+    if (first := method.input_type.fields_by_number.get(1)) is not None and first.name == "name")
 
 
 class CallContext:
@@ -65,11 +68,11 @@ class CallContext:
 class ObservingInterceptor(grpc.aio.ServerInterceptor):
     """Times unary calls and names them in log lines; see the module docstring.
 
-    ``report(transport, method, code, seconds)``: where outcomes go (the
+    ``report(transport, method, code, seconds, buffer)``: where outcomes go (the
     metrics), or None.
     """
 
-    def __init__(self, report: Callable[[str, str, str, float], None] | None):
+    def __init__(self, report: Callable[[str, str, str, float, str | None], None] | None):
         self.report = report
 
     async def intercept_service(
@@ -90,13 +93,14 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
 
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
-            CALL.set(CallContext(method, context.peer(), request))
+            call = CallContext(method, context.peer(), request)
+            CALL.set(call)
             try:
                 result = await inner(request, context)
             except BaseException as error:
-                self._ended(method, _failure(error, context), start)
+                self._ended(call, _failure(error, context), start)
                 raise
-            self._ended(method, _code(context) or "OK", start)
+            self._ended(call, _code(context) or "OK", start)
             return result
 
         return grpc.unary_unary_rpc_method_handler(
@@ -110,32 +114,34 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
         async def observed(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
                            ) -> AsyncIterator[Any]:
             started: float | None = None  # the message being served
+            call: CallContext | None = None
 
             async def pulled() -> AsyncIterator[Any]:
-                nonlocal started
+                nonlocal started, call
                 async for request in requests:
                     started = time.perf_counter()
-                    CALL.set(CallContext(method, context.peer(), request))
+                    call = CallContext(method, context.peer(), request)
+                    CALL.set(call)
                     yield request
 
             try:
                 async for reply in inner(pulled(), context):
-                    assert started is not None
-                    self._ended(method, "OK", started)
+                    assert started is not None and call is not None
+                    self._ended(call, "OK", started)
                     started = None
                     yield reply
             except BaseException as error:
-                if started is not None:  # the message whose error ended the stream
-                    self._ended(method, _failure(error, context), started)
+                if started is not None and call is not None:  # the message whose error ended it
+                    self._ended(call, _failure(error, context), started)
                 raise
 
         return observed
 
-    def _ended(self, method: str, code: str, start: float) -> None:
+    def _ended(self, call: CallContext, code: str, start: float) -> None:
         """Report and log one call (or message) that began at ``start``."""
         seconds = time.perf_counter() - start
         if self.report is not None:
-            self.report("grpc", method, code, seconds)
+            self.report("grpc", call.method, code, seconds, call.buffer)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("call", extra={"kv": {"code": code, "ms": round(seconds * 1e3, 3)}})
 

@@ -158,11 +158,15 @@ class Registry:
             leftover.unlink(missing_ok=True)
         paths = sorted(self.data_dir.glob(f"*{FILE_SUFFIX}"))
         self.recovery = (0, len(paths), 0, 0)
+        began = time.monotonic()
+        log.info("recovery started", extra={"kv": {
+            "data_dir": str(self.data_dir), "buffers": len(paths),
+            "bytes": sum(_size(path) for path in paths)}})
         for i, path in enumerate(paths, 1):
             name = path.name[: -len(FILE_SUFFIX)]
+            opened = time.monotonic()
             log.info("recovering buffer", extra={"kv": {
-                "buffer": name, "progress": f"{i}/{len(paths)}",
-                "bytes": path.lstat().st_size}})
+                "buffer": name, "progress": f"{i}/{len(paths)}", "bytes": _size(path)}})
             buffer, held = self._reopen(name, path, self._progress(i - 1, len(paths), name))
             for note in buffer.recovery_notes if buffer is not None else ():
                 log.warning(note, extra={"kv": {"buffer": name}})  # e.g. a damaged commit slot
@@ -184,7 +188,11 @@ class Registry:
             with self._lock:
                 self._buffers[name] = buffer
             log.info("buffer recovered", extra={"kv": {
-                "buffer": name, "records": len(buffer), "pushed": buffer.pushed}})
+                "buffer": name, "records": len(buffer), "pushed": buffer.pushed,
+                "seconds": round(time.monotonic() - opened, 3)}})
+        log.info("recovery done", extra={"kv": {
+            "buffers": len(self._buffers), "held_out": len(self._held),
+            "seconds": round(time.monotonic() - began, 3)}})
         return len(self._buffers)
 
     def _reopen(self, name: str, path: Path, progress: Callable[[int, int], None] | None = None
@@ -364,6 +372,25 @@ class Registry:
         """``name`` if it is held out of service, else None."""
         with self._lock:
             return self._held.get(name)
+
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` is a buffer of this daemon: served, or held out of service."""
+        with self._lock:
+            return name in self._buffers or name in self._held
+
+    def disk_bytes(self, name: str) -> int:
+        """The disk the file of buffer ``name`` takes: its blocks allocated (a sparse file
+        takes less than its size). 0 for a dataset (its source is not ours) or a file gone."""
+        with self._lock:
+            held = self._held.get(name)
+            dataset = isinstance(self._buffers.get(name), ReadOnlyBuffer)
+        if dataset:
+            return 0
+        try:
+            found = (held.path if held is not None else self.path(name)).lstat()
+        except (OSError, InvalidArgumentError):
+            return 0
+        return found.st_blocks * 512 if stat.S_ISREG(found.st_mode) else 0
 
     def held_list(self) -> list[HeldBuffer]:
         """The buffers held out of service, by name (a snapshot)."""
@@ -546,15 +573,28 @@ def _lock_directory(data_dir: Path) -> int:
     return fd
 
 
-def _progress_logger(name: str, every: float = 2.0) -> Callable[[int, int], None]:
-    """A progress callback that logs at most every ``every`` seconds."""
+# Seconds between two progress lines of one buffer's check (recovery, repair).
+PROGRESS_LOG_S = 5.0
+
+
+def _progress_logger(name: str) -> Callable[[int, int], None]:
+    """A progress callback that logs at most every :data:`PROGRESS_LOG_S` seconds (a
+    buffer checked faster logs none: its start and end lines say enough)."""
     last = [time.monotonic()]
 
     def report(checked: int, live: int) -> None:
-        if time.monotonic() - last[0] >= every:
+        if time.monotonic() - last[0] >= PROGRESS_LOG_S:
             last[0] = time.monotonic()
             log.info("checking records", extra={"kv": {
                 "buffer": name, "checked": checked, "live": live,
                 "percent": round(100 * checked / max(live, 1))}})
 
     return report
+
+
+def _size(path: Path) -> int:
+    """The size of the file at ``path`` (not followed), 0 if it cannot be read."""
+    try:
+        return path.lstat().st_size
+    except OSError:
+        return 0

@@ -39,7 +39,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from millpond.core import Schema, TieredBuffer
+from millpond.core import BufferInfo, Schema, TieredBuffer
 from millpond.core.config import BufferConfig
 from millpond.core.episode_checks import check_fields
 from millpond.core.sequences import episodic_reply_nbytes, reply_specs
@@ -480,13 +480,19 @@ class ReplayService:
 
     @_rpc
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.BufferInfo:
-        return info_to_proto(await self.ops.run(self.ops.info, request.name, None,
-                                                request.include_unavailable))
+        return self._with_disk(await self.ops.run(self.ops.info, request.name, None,
+                                                  request.include_unavailable))
 
     @_rpc
     async def List(self, request: pb.ListRequest, context: Context) -> pb.ListReply:
         infos = await self.ops.run(self.ops.list, request.include_unavailable)
-        return pb.ListReply(buffers=[info_to_proto(info) for info in infos])
+        return pb.ListReply(buffers=[self._with_disk(info) for info in infos])
+
+    def _with_disk(self, info: BufferInfo) -> pb.BufferInfo:
+        """``info`` as its message, with the disk its file takes (the daemon's to say)."""
+        message = info_to_proto(info)
+        message.disk_bytes = self.ops.registry.disk_bytes(info.name or "")
+        return message
 
     # ---- operators ------------------------------------------------------------------------
 
