@@ -200,6 +200,10 @@ def test_bfloat16_strings_and_2d_batches_round_trip(where):
     assert torch.equal(got["x"], x) and got["tag"] == [["run-1"] * 3] * 5
     assert got["index"].tolist() == [[k] * 3 for k in range(5)]
     assert torch.equal(buf.sample_by_index([-1])["x"], x[-1:])
+    with pytest.raises(millpond.InvalidArgumentError):  # objectrl's: with a string key
+        buf.sample_batch(0)
+    buf.reset()
+    buf.add_batch(TensorDict({"x": x}, batch_size=[5, 3]))
     assert buf.sample_batch(0).batch_size == torch.Size([0, 3])
     buf.close()
 

@@ -7,34 +7,44 @@ A drop-in for ``objectrl.replay_buffers.experience_memory.ReplayBuffer``::
     # or on a server, shared with other processes:
     memory = ReplayBuffer(device, storing_device, 100_000, address="host:50051", name="sac")
 
-Contract (objectrl's, from its documentation and source):
+objectrl's agents build their own buffer (0.2.1 has no hook): ``use_millpond(agent,
+address=None, name=None)`` replaces ``agent.experience_memory`` with this one, built
+from the agent's config. Contract (objectrl 0.2.1's, checked call by call against it
+by tests/test_objectrl_real.py, ``make test-objectrl``):
 
-* The schema is taken from the first ``add``/``add_batch``, as TorchRL's lazy
-  storages do: ``add(td)`` stores one record (per-record shapes are the
-  tensors' shapes); ``add_batch(td)`` stores ``td.batch_size[0]`` records.
-  The millpond buffer (``buffer_size`` records, oldest evicted first) is
-  created then; with ``address``/``name`` on that server, and a buffer that
-  already exists there is attached to at construction (a learner process may
-  sample what actors add). Nested keys are stored as ``outer__inner`` fields;
-  keys must be identifiers without ``__``; dtypes are torch's numeric ones
-  (bool, ints, float16/32/64; not bfloat16, complex or non-tensor data).
-* Every read returns a ``TensorDict`` of batch size ``[n]`` on ``device``, with
-  the keys and dtypes added (a Python float added becomes float32, an int
-  int64, as TensorDict makes them). ``sample_batch`` / ``sample_random`` draw
-  uniformly with replacement (seeded from torch's global generator, so
-  ``torch.manual_seed`` makes them reproducible in-process; a batch larger
-  than the buffer is drawn in parts, as TorchRL's sampler allows).
+* The schema is taken from the first ``add``/``add_batch`` after a reset, as TorchRL's
+  lazy storages do: ``add(td)`` stores one record of batch size ``td.batch_size``;
+  ``add_batch(td)`` stores ``td.batch_size[0]`` records of batch size
+  ``td.batch_size[1:]`` (2-D batches: records of batch ``[T]``). The millpond buffer
+  (``buffer_size`` records, oldest evicted first) is created then; with
+  ``address``/``name`` on that server, and a buffer that already exists there is
+  attached to at construction (a learner process may sample what actors add). Nested
+  keys are stored as ``outer__inner`` fields; keys must be identifiers without ``__``;
+  dtypes: bool, ints, float16/32/64 and bfloat16 (stored as its bits, exact); not
+  complex (objectrl refuses it too). Non-tensor keys (strings) are kept as objectrl's
+  storage keeps them: one value per key, the first written since the reset.
+* Until the next reset the schema stays, as objectrl's storage keeps it: a key not in
+  it is dropped, a value is broadcast to the stored shape, ``add`` casts to the stored
+  dtype (``add_batch`` refuses another dtype), and a key the record lacks keeps what
+  its slot held (zeros if never written).
+* Every read returns a ``TensorDict`` of batch size ``[n, *record batch]`` on ``device``,
+  with the keys and dtypes added (a Python float added becomes float32, an int int64,
+  as TensorDict makes them) and objectrl's ``index`` key: each record's slot (int64; an
+  ``index`` key added is overwritten by it). ``sample_batch`` / ``sample_random`` draw
+  objectrl's slots, ``torch.randint(len(self), (batch_size,))`` from torch's global
+  generator, so one ``torch.manual_seed`` gives objectrl's batch, in-process or on a
+  server. ``sample_batch(0)`` is an empty batch (refused, as objectrl's, when the buffer
+  has non-tensor keys); every read of an empty buffer raises.
 * Indices are objectrl's storage slots: the ``k``-th record added since the last
   reset (from 0) sits in slot ``k % buffer_size``, so until the buffer first
   fills slot ``i`` is the ``i``-th oldest record, and after that ``pointer``
-  (the next slot written) is the oldest. Slots are counted by this object's
-  adds: with other writers on a shared server buffer they are positions
-  (oldest = 0) rotated by this object's ``pointer``. An index outside
-  ``[0, size)`` raises ``millpond.IndexOutOfRangeError`` (an ``IndexError``).
+  (the next slot written) is the oldest; ``-k`` is slot ``size - k``. Slots are
+  counted by this object's adds: with other writers on a shared server buffer they
+  are positions (oldest = 0) rotated by this object's ``pointer``. An index outside
+  ``[-size, size)`` raises ``millpond.IndexOutOfRangeError`` (an ``IndexError``).
   ``sample_all`` returns slots ``0 .. size-1``; ``create_epoch_iterator`` yields
   them in that order in batches (each record once per epoch, the last batch
-  smaller), or, with ``shuffle=True`` (an extension), millpond's shuffled
-  ``epoch_iterator``.
+  smaller), or, with ``shuffle=True`` (an extension), a permutation per epoch.
 * ``reset(buffer_size=None)`` drops every record; the next add may bring a new
   schema (objectrl's PPO adds advantages after a reset), which then replaces
   the millpond buffer. A new ``buffer_size`` replaces it at the next add.
@@ -44,7 +54,8 @@ Contract (objectrl's, from its documentation and source):
   and, when ``path.npz`` exists, the records (objectrl restores metadata only).
 * ``storing_device`` is kept for objectrl's code to read; records are stored
   by millpond (host memory or the server), whatever it says. ``print_gc_warning``
-  is accepted and has nothing to do.
+  is accepted and has nothing to do. Held by this object only (not seen by another
+  process attaching by name, nor saved): the record batch size and non-tensor keys.
 """
 
 from __future__ import annotations
@@ -171,10 +182,13 @@ class ReplayBuffer:
             self.buffer_size, fields=fields, address=self.address, name=self.name,
             token=self.token)
 
-    def _conform(self, flat: dict[str, torch.Tensor], n: int) -> dict[str, np.ndarray]:
+    def _conform(self, flat: dict[str, torch.Tensor], n: int, cast: bool
+                 ) -> dict[str, np.ndarray]:
         """The columns of the buffer's schema, as objectrl's storage writes a record into its
         slot: extra keys dropped, each value cast to the stored dtype and broadcast to the
-        stored shape, and a missing key left as the slot held it (zeros if never written)."""
+        stored shape, and a missing key left as the slot held it (zeros if never written).
+        ``cast=False`` (``add_batch``: TorchRL's index put): a dtype other than the stored
+        one is refused."""
         buf = self.millpond_buffer
         columns: dict[str, np.ndarray] = {}
         missing = []
@@ -184,10 +198,12 @@ class ReplayBuffer:
                 missing.append(field)
                 continue
             value = flat[name].detach().cpu()
-            if field.name.endswith(BF16):
-                value = value.to(torch.bfloat16)
-            else:
-                value = value.to(torch.from_numpy(np.zeros(0, field.dtype)).dtype)
+            dtype = (torch.bfloat16 if field.name.endswith(BF16)
+                     else torch.from_numpy(np.zeros(0, field.dtype)).dtype)
+            if not cast and value.dtype != dtype:
+                raise InvalidArgumentError(f"key {name!r}: {value.dtype} in a batch; this "
+                                           f"buffer stores {dtype} (objectrl's refuses it too)")
+            value = value.to(dtype)
             value = torch.broadcast_to(value, (n, *field.shape))
             columns.update([_encode(name, value)])
         if missing:
@@ -204,7 +220,7 @@ class ReplayBuffer:
         return columns
 
     def _push(self, flat: dict[str, torch.Tensor], constants: dict[str, Any], n: int,
-              record_batch: tuple[int, ...]) -> None:
+              record_batch: tuple[int, ...], cast: bool) -> None:
         if self.millpond_buffer is None or self._replaceable:
             columns = dict(_encode(name, value.reshape(n, *value.shape[1:]))
                            for name, value in flat.items())
@@ -217,7 +233,7 @@ class ReplayBuffer:
                 raise InvalidArgumentError(
                     f"records of batch size {list(record_batch)}; this buffer holds "
                     f"{list(self._record_batch)} (reset() to change it)")
-            columns = self._conform(flat, n)  # as objectrl's: new non-tensor keys dropped too
+            columns = self._conform(flat, n, cast)  # as objectrl's: new non-tensor keys dropped too
         self.millpond_buffer.push_batch(**columns)
         self.pointer = (self.pointer + n) % self.buffer_size
 
@@ -227,14 +243,15 @@ class ReplayBuffer:
             experience = TensorDict(experience)
         flat, constants = _flat(experience)
         self._push({name: value.unsqueeze(0) for name, value in flat.items()}, constants, 1,
-                   tuple(experience.batch_size))
+                   tuple(experience.batch_size), cast=True)
 
     def add_batch(self, batch: TensorDict) -> None:
         """Add ``batch.batch_size[0]`` experiences (each of batch size ``batch_size[1:]``)."""
         if not isinstance(batch, TensorDict) or batch.batch_dims < 1:
             raise InvalidArgumentError("add_batch takes a TensorDict with a batch dimension")
         flat, constants = _flat(batch)
-        self._push(flat, constants, int(batch.batch_size[0]), tuple(batch.batch_size[1:]))
+        self._push(flat, constants, int(batch.batch_size[0]), tuple(batch.batch_size[1:]),
+                   cast=False)
 
     # ---- reading ------------------------------------------------------------------------
 
@@ -278,6 +295,9 @@ class ReplayBuffer:
         slots objectrl's sampler draws (``torch.randint(len(self), (batch_size,))`` from
         torch's global generator, so ``torch.manual_seed`` gives objectrl's batch)."""
         held = len(self._require())
+        if batch_size == 0 and self._constants:
+            raise InvalidArgumentError("an empty batch of a buffer with non-tensor keys "
+                                       "(objectrl's refuses it too)")
         slots = torch.randint(0, held, (int(batch_size),)).numpy()
         return self._read(slots, None)
 
@@ -433,3 +453,20 @@ class ReplayBuffer:
             return n_epochs * self.calculate_num_batches(batch_size)
         self.epoch_iterator = None
         return max_iter
+
+
+def use_millpond(agent: Any, *, address: str | Sequence[str] | None = None,
+                 name: str | None = None, token: str | None = None) -> ReplayBuffer:
+    """Give an objectrl agent a millpond buffer: objectrl 0.2.1 has no hook for one (its
+    ``Agent.__init__`` builds ``objectrl.replay_buffers.experience_memory.ReplayBuffer``
+    itself), so this replaces the agent's ``experience_memory`` attribute, which every
+    agent reads its buffer from, with a :class:`ReplayBuffer` built from the agent's own
+    config (``system.device``, ``system.storing_device``, ``training.buffer_size``), on a
+    server's buffer ``name`` at ``address`` when given. Call it after building the agent
+    and before training; the agent's old (empty) buffer is dropped. Returns the new one."""
+    config = agent.config
+    memory = ReplayBuffer(torch.device(config.system.device),
+                          torch.device(config.system.storing_device),
+                          config.training.buffer_size, address=address, name=name, token=token)
+    agent.experience_memory = memory
+    return memory
