@@ -164,8 +164,13 @@ def test_reset_drops_everything_and_takes_a_new_schema(where):
     buf.reset(buffer_size=4)
     buf.add_batch(rollout)
     assert buf.size == 4 and buf.sample_all()["advantages"].tolist() == [4.0, 5.0, 6.0, 7.0]
-    with pytest.raises(millpond.ReplayError):  # without a reset the schema stays
-        buf.add(transition(0))
+    # Without a reset the schema stays, as objectrl's storage keeps it: extra keys are
+    # dropped, and a key the record lacks keeps what its slot held.
+    buf.add(transition(3))
+    after = buf.sample_all()
+    assert set(after.keys()) == {"state", "advantages", "returns", "index"}
+    assert after["advantages"].tolist() == [4.0, 5.0, 6.0, 7.0]  # slot 0 kept record 4's
+    assert after["state"][0].tolist() == [3.0] * 4 and after["index"].tolist() == [0, 1, 2, 3]
     buf.close()
 
 
@@ -186,6 +191,23 @@ def test_nested_keys_and_a_learner_attaching_by_name(shared_server):
     actor.close()
 
 
+def test_bfloat16_strings_and_2d_batches_round_trip(where):
+    buf = ReplayBuffer(CPU, CPU, 6, **where)
+    x = torch.randn(5, 3, 2).to(torch.bfloat16)
+    buf.add_batch(TensorDict({"x": x, "tag": "run-1"}, batch_size=[5, 3]))
+    got = buf.sample_all()
+    assert got.batch_size == torch.Size([5, 3]) and got["x"].dtype == torch.bfloat16
+    assert torch.equal(got["x"], x) and got["tag"] == [["run-1"] * 3] * 5
+    assert got["index"].tolist() == [[k] * 3 for k in range(5)]
+    assert torch.equal(buf.sample_by_index([-1])["x"], x[-1:])
+    with pytest.raises(millpond.InvalidArgumentError):  # objectrl's: with a string key
+        buf.sample_batch(0)
+    buf.reset()
+    buf.add_batch(TensorDict({"x": x}, batch_size=[5, 3]))
+    assert buf.sample_batch(0).batch_size == torch.Size([0, 3])
+    buf.close()
+
+
 def test_bad_input_is_refused():
     buf = ReplayBuffer(CPU, CPU, 10)
     with pytest.raises(millpond.NotEnoughDataError):
@@ -193,6 +215,6 @@ def test_bad_input_is_refused():
     with pytest.raises(millpond.InvalidArgumentError):
         buf.add(TensorDict({"bad__key": torch.zeros(1)}))
     with pytest.raises(millpond.InvalidArgumentError):
-        buf.add(TensorDict({"x": torch.zeros(1, dtype=torch.bfloat16)}))
+        buf.add(TensorDict({"x": torch.zeros(1, dtype=torch.complex64)}))
     with pytest.raises(millpond.InvalidArgumentError):
         ReplayBuffer(CPU, CPU, 10, name="no-address")
