@@ -1,8 +1,8 @@
 """Stable-Baselines3 replay buffers whose records live in millpond.
 
 Pass :class:`ReplayBuffer` (or, for ``spaces.Dict`` observations,
-:class:`DictReplayBuffer`; for n-step returns, :class:`NStepReplayBuffer`) to any SB3 off-policy algorithm (DQN, SAC, TD3,
-DDPG)::
+:class:`DictReplayBuffer`; for n-step returns, :class:`NStepReplayBuffer`) to any
+SB3 off-policy algorithm (DQN, SAC, TD3, DDPG)::
 
     from stable_baselines3 import DQN
     from millpond.integrations.sb3 import ReplayBuffer
@@ -52,8 +52,8 @@ Contract (the same as SB3's own buffers, checked against them in the tests):
   class); with the same seed its batches equal SB3's.
 
 Not supported: ``optimize_memory_usage=True`` (raises ValueError: millpond
-stores ``next_obs`` beside ``obs``) and ``HerReplayBuffer``. There is no prioritized variant: SB3's algorithms never
-hand TD errors back to their buffer (no hook for ``update_priorities``), so a
+stores ``next_obs`` beside ``obs``) and ``HerReplayBuffer``. There is no
+prioritized variant: SB3's algorithms never hand TD errors back to their buffer (no hook for ``update_priorities``), so a
 prioritized buffer would silently behave as a uniform one; use millpond's
 ``PrioritizedReplayBuffer`` directly in your own training loop instead.
 """
