@@ -53,9 +53,10 @@ Contract (the same as SB3's own buffers, checked against them in the tests):
 
 Not supported: ``optimize_memory_usage=True`` (raises ValueError: millpond
 stores ``next_obs`` beside ``obs``) and ``HerReplayBuffer``. There is no
-prioritized variant: SB3's algorithms never hand TD errors back to their buffer (no hook for ``update_priorities``), so a
-prioritized buffer would silently behave as a uniform one; use millpond's
-``PrioritizedReplayBuffer`` directly in your own training loop instead.
+prioritized variant: SB3's algorithms never hand TD errors back to their buffer
+(no hook for ``update_priorities``), so a prioritized buffer would silently
+behave as a uniform one; use millpond's ``PrioritizedReplayBuffer`` directly
+in your own training loop instead.
 """
 
 from __future__ import annotations
