@@ -20,7 +20,9 @@ daemons (bench_sharded.py). Episodic and learner-side sections: bench_episodes.p
 bench_learner.py (epoch_iterator beside a numpy permutation-gather, device="cpu"),
 bench_contention.py (a learner's latency while an actor pushes), bench_integrity.py (the
 record checksum, persistent pushes and recovery: format 5 beside format 4), bench_backup.py
-(an actor's push throughput while the daemon writes snapshots of its buffer, vs alone).
+(an actor's push throughput while the daemon writes snapshots of its buffer, vs alone),
+bench_sb3.py (DQN's steps per second with SB3's own buffer, the SB3 adapter in-process and
+on a daemon).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from bench_episodes import section as episodes_section  # noqa: E402
 from bench_integrity import section as integrity_section  # noqa: E402
 from bench_learner import section as learner_section  # noqa: E402
 from bench_pixels import section as pixels_section  # noqa: E402
+from bench_sb3 import section as sb3_section  # noqa: E402
 from bench_sharded import sharded_section  # noqa: E402
 from grpc_limits import call_rate, grpc_limits_section  # noqa: E402
 from support import ServerProcess  # noqa: E402
@@ -450,11 +453,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, short timings")
     parser.add_argument("--seconds", type=float, default=None, help="time per measurement")
-    parser.add_argument("--only", choices=["grpc", "load", "integrity", "backup", "pixels"],
+    parser.add_argument("--only", choices=["grpc", "load", "integrity", "backup", "pixels", "sb3"],
                         help="only the section 'gRPC beside bare gRPC', 'Under load' (to compare "
                         "two source trees: PYTHONPATH=TREE/client:TREE/server), 'Integrity' "
-                        "(format 5's checksum and commit beside format 4's), 'Backups' or 'Pixels' "
-                        "(frames stored once, on Atari frames)")
+                        "(format 5's checksum and commit beside format 4's), 'Backups', 'Pixels' "
+                        "(frames stored once, on Atari frames) or 'SB3' (DQN with SB3's buffer "
+                        "beside the adapter)")
     args = parser.parse_args()
     seconds = args.seconds or (0.3 if args.quick else 1.0)
     tmp = Path(tempfile.mkdtemp(prefix="millpond-bench-"))
@@ -463,11 +467,15 @@ def main() -> None:
     try:
         if args.only == "integrity":
             integrity_section(workloads(args.quick), args.quick, seconds, timed_rate)
+            return
         if args.only == "backup":
             backup_section(tmp, workloads(args.quick), seconds, fmt_rate)
             return
         if args.only == "pixels":
             pixels_section(args.quick, seconds, timed_rate)
+            return
+        if args.only == "sb3":
+            sb3_section(tmp, 2_000 if args.quick else 5_000)
             return
         if args.only is not None:
             with ServerProcess(tmp / "data") as server:
@@ -494,6 +502,7 @@ def main() -> None:
         prioritized_section(tmp, args.quick, seconds)
         auth_section(tmp, seconds)
         sharded_section(tmp, workloads(args.quick), CALLERS, timed_rate, fmt_rate, seconds)
+        sb3_section(tmp, 2_000 if args.quick else 5_000)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gigabytes of buffer files
 

@@ -1,8 +1,8 @@
 """Stable-Baselines3 replay buffers whose records live in millpond.
 
 Pass :class:`ReplayBuffer` (or, for ``spaces.Dict`` observations,
-:class:`DictReplayBuffer`) to any SB3 off-policy algorithm (DQN, SAC, TD3,
-DDPG)::
+:class:`DictReplayBuffer`; for n-step returns, :class:`NStepReplayBuffer`) to any
+SB3 off-policy algorithm (DQN, SAC, TD3, DDPG)::
 
     from stable_baselines3 import DQN
     from millpond.integrations.sb3 import ReplayBuffer
@@ -20,6 +20,13 @@ Contract (the same as SB3's own buffers, checked against them in the tests):
 * ``add(obs, next_obs, action, reward, done, infos)`` stores one transition per
   environment as one millpond record, in SB3's dtypes (observations in the
   space's dtype, actions cast from float64 to float32, rewards float32).
+  Adds are written into a local chunk (up to ``CHUNK_STEPS`` steps and about
+  ``CHUNK_BYTES``) that is pushed to millpond as one ``push_batch`` when full, on
+  ``flush()``/``close()``/pickling, and whenever ``buffer.millpond_buffer`` is
+  read; ``sample`` reads the steps still in the chunk from it, so it sees every
+  add (read-your-writes), as SB3's own buffer does. Other readers of a server
+  buffer see a step once its chunk is pushed; a crash loses at most one chunk;
+  a failed push raises from the ``add`` (or ``flush``) that sends its chunk.
 * ``sample(batch_size, env)`` draws transitions uniformly with replacement (as
   SB3 draws a step and an environment uniformly) and returns SB3's
   ``ReplayBufferSamples`` (``DictReplayBufferSamples``): ``observations``
@@ -40,12 +47,16 @@ Contract (the same as SB3's own buffers, checked against them in the tests):
   ``buffer.millpond_buffer.export(path)`` makes an offline dataset of the run.
   Dict observations are stored as ``obs_<key>`` and ``next_obs_<key>``.
 
+* :class:`NStepReplayBuffer` takes SB3's ``n_steps`` and ``gamma`` and computes
+  n-step returns at sample time exactly as SB3's ``NStepReplayBuffer`` (see the
+  class); with the same seed its batches equal SB3's.
+
 Not supported: ``optimize_memory_usage=True`` (raises ValueError: millpond
-stores ``next_obs`` beside ``obs``), SB3's ``NStepReplayBuffer`` arguments, and
-``HerReplayBuffer``. There is no prioritized variant: SB3's algorithms never
-hand TD errors back to their buffer (no hook for ``update_priorities``), so a
-prioritized buffer would silently behave as a uniform one; use millpond's
-``PrioritizedReplayBuffer`` directly in your own training loop instead.
+stores ``next_obs`` beside ``obs``) and ``HerReplayBuffer``. There is no
+prioritized variant: SB3's algorithms never hand TD errors back to their buffer
+(no hook for ``update_priorities``), so a prioritized buffer would silently
+behave as a uniform one; use millpond's ``PrioritizedReplayBuffer`` directly
+in your own training loop instead.
 """
 
 from __future__ import annotations
@@ -62,17 +73,22 @@ from millpond.api import MmapReplayBuffer as _MmapBuffer
 from millpond.api import ReplayBuffer as _RamBuffer
 from millpond.errors import InvalidConfigError, NotEnoughDataError
 
-# A server buffer's adds in flight (see millpond.connect's max_in_flight): ``add`` returns
-# once its step is sent, and ``sample`` (which reads) waits for them first.
+# A server buffer's pushes in flight (see millpond.connect's max_in_flight): a push returns
+# once its chunk is sent, and every read waits for them first.
 MAX_IN_FLIGHT = 32
+# ``add`` writes into a local chunk of at most this many steps (and about CHUNK_BYTES), pushed
+# to millpond as one ``push_batch`` when full, or when anything reads the millpond handle.
+CHUNK_STEPS = 256
+CHUNK_BYTES = 1 << 20
 
 
 class _MillpondStorage:
-    """What both classes share: the millpond handle, ``add``'s flags, sampling.
+    """What the classes share: the millpond handle, the local chunk of adds, reads by slot.
 
     Attributes set by SB3's ``BaseBuffer.__init__`` (``buffer_size``,
     ``n_envs``, ``obs_shape``, ``action_dim``, ``device``, ``pos``, ``full``)
-    keep SB3's meaning. ``millpond_buffer`` is the millpond handle.
+    keep SB3's meaning. ``millpond_buffer`` is the millpond handle (reading the
+    attribute first pushes the adds still in the local chunk).
     """
 
     buffer_size: int
@@ -84,7 +100,7 @@ class _MillpondStorage:
     observation_space: Any
     handle_timeout_termination: bool
     optimize_memory_usage: bool
-    millpond_buffer: Any
+    _handle: Any
 
     def _setup(self, buffer_size: int, optimize_memory_usage: bool,
                handle_timeout_termination: bool, obs_fields: dict[str, Any],
@@ -109,44 +125,113 @@ class _MillpondStorage:
         capacity = self.buffer_size * self.n_envs
         self._in_process = address is None
         if hot_capacity is None:
-            self.millpond_buffer = _RamBuffer(capacity, fields=fields, address=address, name=name,
-                                              token=token, max_in_flight=max_in_flight)
+            self._handle = _RamBuffer(capacity, fields=fields, address=address, name=name,
+                                      token=token, max_in_flight=max_in_flight)
         else:
-            self.millpond_buffer = _MmapBuffer(hot_capacity, capacity, cold_path=cold_path,
-                                               fields=fields, address=address, name=name,
-                                               token=token, max_in_flight=max_in_flight)
-        held = len(self.millpond_buffer) // self.n_envs  # an existing server buffer's steps
+            self._handle = _MmapBuffer(hot_capacity, capacity, cold_path=cold_path,
+                                       fields=fields, address=address, name=name,
+                                       token=token, max_in_flight=max_in_flight)
+        held = len(self._handle) // self.n_envs  # an existing server buffer's steps
         self.pos, self.full = held % self.buffer_size, held >= self.buffer_size
+        self._stored = min(held, self.buffer_size)  # steps in millpond that this object counts
+        self._new_chunk(self._handle.schema.spec())
 
-    def _flags(self, done: np.ndarray, infos: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-        """``terminated``/``truncated`` columns from SB3's ``done`` and ``infos``."""
+    def _new_chunk(self, spec: dict[str, Any]) -> None:
+        """The local chunk: ``{field: array[steps, n_envs, *shape]}``, none staged yet."""
+        step_nbytes = sum(np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
+                          for dtype, shape in spec.values()) * self.n_envs
+        steps = max(1, min(CHUNK_STEPS, CHUNK_BYTES // max(step_nbytes, 1), self.buffer_size))
+        self._chunk = {name: np.zeros((steps, self.n_envs, *shape), dtype)
+                       for name, (dtype, shape) in spec.items()}
+        self._staged = 0
+
+    @property
+    def millpond_buffer(self) -> Any:
+        """The millpond handle, holding every step added so far (pushes the local chunk)."""
+        self.flush()
+        return self._handle
+
+    def flush(self) -> None:
+        """Push the steps of the local chunk to millpond and wait until they are stored."""
+        self._push_chunk()
+        self._handle.flush()
+
+    def _push_chunk(self) -> None:
+        if self._staged:
+            n = self._staged * self.n_envs
+            self._handle.push_batch(**{name: column[:self._staged].reshape(n, *column.shape[2:])
+                                       for name, column in self._chunk.items()})
+            self._stored = min(self.buffer_size, self._stored + self._staged)
+            self._staged = 0
+
+    def _stage(self, columns: dict[str, Any], done: np.ndarray,
+               infos: list[dict[str, Any]]) -> None:
+        """Write one step of every environment into the chunk (casting as SB3 does on
+        assignment); push the chunk once full; advance ``pos``."""
+        row = self._staged
+        chunk = self._chunk
+        for name, value in columns.items():
+            chunk[name][row] = value
         done = np.asarray(done).reshape(self.n_envs).astype(bool)
-        timeout = np.array([bool(info.get("TimeLimit.truncated", False)) for info in infos],
-                           dtype=bool).reshape(self.n_envs)
-        return {"terminated": done & ~timeout, "truncated": done & timeout}
-
-    def _store(self, columns: dict[str, np.ndarray]) -> None:
-        """Push one step of every environment (``n_envs`` records); advance ``pos``."""
-        self.millpond_buffer.push_batch(**columns)
+        timeout = np.fromiter((info.get("TimeLimit.truncated", False) for info in infos),
+                              dtype=bool, count=self.n_envs)
+        chunk["terminated"][row] = done & ~timeout
+        chunk["truncated"][row] = done & timeout
+        self._mirror(done, timeout, columns["rewards"])
+        self._staged = row + 1
+        if self._staged == len(chunk["rewards"]):
+            self._push_chunk()
         self.pos += 1
         if self.pos == self.buffer_size:
             self.full = True
             self.pos = 0
 
-    def _draw(self, batch_size: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-        """A uniform sample, its ``dones [B, 1]`` and raw ``rewards [B, 1]`` (float32).
+    def _mirror(self, done: np.ndarray, timeout: np.ndarray, reward: Any) -> None:
+        """NStepReplayBuffer keeps SB3's rewards, dones and timeouts of every slot."""
 
-        Drawn exactly as SB3 draws (a step, then an environment, from numpy's global
-        generator), and read by position: with the same seed, the same batches as
-        SB3's own buffer holding the same transitions."""
+    def _gather(self, slots: np.ndarray, envs: np.ndarray,
+                fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """The records of SB3's ring ``slots`` (steps) and ``envs``, in that order: from
+        millpond, or from the local chunk for the steps still in it."""
+        steps = self.buffer_size if self.full else self.pos
+        # SB3's ring slot -> the step's age order (0 = the oldest step held)
+        order = (slots - self.pos) % self.buffer_size if self.full else slots
+        first_staged = steps - self._staged  # the chunk holds the newest steps
+        offset = self._stored - first_staged  # steps in millpond evicted since (SB3's view)
+        staged = order >= first_staged
+        if not staged.any():
+            return self._read((order + offset) * self.n_envs + envs, fields)
+        names = list(self._chunk) if fields is None else list(fields)
+        rows = order[staged] - first_staged
+        out = {name: np.empty((len(slots), *self._chunk[name].shape[2:]),
+                              self._chunk[name].dtype) for name in names}
+        for name in names:
+            out[name][staged] = self._chunk[name][rows, envs[staged]]
+        stored = ~staged
+        if stored.any():
+            read = self._read((order[stored] + offset) * self.n_envs + envs[stored], names)
+            for name in names:
+                out[name][stored] = read[name]
+        return out
+
+    def _read(self, positions: np.ndarray, fields: Sequence[str] | None) -> dict[str, np.ndarray]:
+        return self._handle.sample_by_index(positions, fields)
+
+    def _draw(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """SB3's draw: slots (steps) from ``BaseBuffer.sample``, then environments, from
+        numpy's global generator."""
         rows = self.buffer_size if self.full else self.pos
         if rows == 0:
             raise NotEnoughDataError("the replay buffer is empty")
-        steps = np.random.randint(0, rows, size=batch_size)
-        envs = np.random.randint(0, high=self.n_envs, size=(batch_size,))
-        if self.full:  # SB3's ring slot -> millpond's position (0 = the oldest step)
-            steps = (steps - self.pos) % self.buffer_size
-        batch = self.millpond_buffer.sample_by_index(steps * self.n_envs + envs)
+        slots = np.random.randint(0, rows, size=batch_size)
+        return slots, np.random.randint(0, high=self.n_envs, size=(batch_size,))
+
+    def _sample_rows(self, batch_size: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """A uniform sample, its ``dones [B, 1]`` and raw ``rewards [B, 1]`` (float32).
+
+        Drawn exactly as SB3 draws and read by position: with the same seed, the same
+        batches as SB3's own buffer holding the same transitions."""
+        batch = self._gather(*self._draw(batch_size))
         dones = batch["terminated"]
         if not self.handle_timeout_termination:
             dones = dones | batch["truncated"]
@@ -154,32 +239,42 @@ class _MillpondStorage:
                 batch["rewards"].astype(np.float32).reshape(-1, 1))
 
     def size(self) -> int:
-        """Steps held (records // ``n_envs``), as SB3 counts: at most ``buffer_size``."""
-        return min(len(self.millpond_buffer) // self.n_envs, self.buffer_size)
+        """Steps held, as SB3 counts: at most ``buffer_size``."""
+        return self.buffer_size if self.full else self.pos
 
     def reset(self) -> None:
         """Drop every record (the millpond buffer keeps its config); ``pos = 0``."""
         self.pos = 0
         self.full = False
-        self.millpond_buffer.reset()
+        self._staged = 0
+        self._stored = 0
+        self._handle.reset()
 
     def close(self) -> None:
-        """Close the millpond handle (deleting the buffer if this handle created it)."""
-        self.millpond_buffer.close()
+        """Push the local chunk and close the millpond handle (deleting the buffer if this
+        handle created it)."""
+        try:
+            self._push_chunk()
+        finally:
+            self._handle.close()
 
     def __getstate__(self) -> dict[str, Any]:
         """For SB3's ``save_replay_buffer``: a server's buffer pickles as its address and
-        name (unpickling attaches to it); an in-process one carries its records."""
+        name (unpickling attaches to it); an in-process one carries its records. The
+        local chunk is pushed first."""
+        self.flush()
         state = dict(self.__dict__)
-        buf = self.millpond_buffer
+        buf = self._handle
+        del state["_chunk"]
+        state["_chunk_spec"] = buf.schema.spec()
         if self._in_process:
-            state["millpond_buffer"] = {"capacity": buf.total_capacity,
-                                        "hot_capacity": buf.hot_capacity,
-                                        "fields": buf.schema.spec(), "records": buf.sample_all()}
+            state["_handle"] = {"capacity": buf.total_capacity,
+                                "hot_capacity": buf.hot_capacity,
+                                "fields": buf.schema.spec(), "records": buf.sample_all()}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        saved = state["millpond_buffer"]
+        saved = state.pop("_handle")
         if state.get("_in_process") and isinstance(saved, dict):
             buf: Any
             if saved["hot_capacity"] < saved["capacity"]:
@@ -188,17 +283,15 @@ class _MillpondStorage:
                 buf = _RamBuffer(saved["capacity"], fields=saved["fields"])
             if len(next(iter(saved["records"].values()))):
                 buf.push_batch(**saved["records"])
-            state = {**state, "millpond_buffer": buf}
+            saved = buf
+        spec = state.pop("_chunk_spec")
         self.__dict__.update(state)
+        self._handle = saved
+        self._new_chunk(spec)
 
     def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None) -> Any:
         raise NotImplementedError(
             "millpond draws the transitions itself: call sample(batch_size, env)")
-
-
-def _check_obs_shape(value: Any, n_envs: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """``value`` as ``[n_envs, *shape]`` in ``dtype`` (SB3 casts on assignment too)."""
-    return np.asarray(value).reshape((n_envs, *shape)).astype(dtype, copy=False)
 
 
 class ReplayBuffer(_MillpondStorage, sb3.ReplayBuffer):
@@ -242,27 +335,22 @@ class ReplayBuffer(_MillpondStorage, sb3.ReplayBuffer):
     def add(self, obs: np.ndarray, next_obs: np.ndarray, action: np.ndarray, reward: np.ndarray,
             done: np.ndarray, infos: list[dict[str, Any]]) -> None:
         """Store one step of every environment (SB3's ``add``)."""
-        n, dtype = self.n_envs, self.observation_space.dtype
-        self._store({
-            "obs": _check_obs_shape(obs, n, self.obs_shape, dtype),
-            "next_obs": _check_obs_shape(next_obs, n, self.obs_shape, dtype),
-            "actions": np.asarray(action).reshape((n, self.action_dim)).astype(
-                self._maybe_cast_dtype(self.action_space.dtype), copy=False),
-            "rewards": np.asarray(reward, dtype=np.float32).reshape(n),
-            **self._flags(done, infos),
-        })
+        n = self.n_envs
+        self._stage({"obs": np.asarray(obs).reshape((n, *self.obs_shape)),
+                     "next_obs": np.asarray(next_obs).reshape((n, *self.obs_shape)),
+                     "actions": np.asarray(action).reshape((n, self.action_dim)),
+                     "rewards": np.asarray(reward).reshape(n)}, done, infos)
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """``batch_size`` uniform draws as SB3's ``ReplayBufferSamples``."""
-        batch, dones, rewards = self._draw(batch_size)
-        data = (
-            self._normalize_obs(batch["obs"], env),
-            batch["actions"],
-            self._normalize_obs(batch["next_obs"], env),
-            dones,
-            self._normalize_reward(rewards, env),
+        batch, dones, rewards = self._sample_rows(batch_size)
+        return ReplayBufferSamples(
+            self.to_torch(self._normalize_obs(batch["obs"], env)),  # type: ignore[arg-type]
+            self.to_torch(batch["actions"]),
+            self.to_torch(self._normalize_obs(batch["next_obs"], env)),  # type: ignore[arg-type]
+            self.to_torch(dones),
+            self.to_torch(self._normalize_reward(rewards, env)),
         )
-        return ReplayBufferSamples(*(self.to_torch(array) for array in data))  # type: ignore[arg-type]
 
 
 class DictReplayBuffer(_MillpondStorage, sb3.DictReplayBuffer):
@@ -307,17 +395,15 @@ class DictReplayBuffer(_MillpondStorage, sb3.DictReplayBuffer):
         columns: dict[str, np.ndarray] = {}
         for prefix, value in (("obs", obs), ("next_obs", next_obs)):
             for key, shape in self.obs_shape.items():
-                dtype = self.observation_space[key].dtype
-                columns[f"{prefix}_{key}"] = _check_obs_shape(value[key], n, shape, dtype)
-        columns["actions"] = np.asarray(action).reshape((n, self.action_dim)).astype(
-            self._maybe_cast_dtype(self.action_space.dtype), copy=False)
-        columns["rewards"] = np.asarray(reward, dtype=np.float32).reshape(n)
-        self._store({**columns, **self._flags(done, infos)})
+                columns[f"{prefix}_{key}"] = np.asarray(value[key]).reshape((n, *shape))
+        columns["actions"] = np.asarray(action).reshape((n, self.action_dim))
+        columns["rewards"] = np.asarray(reward).reshape(n)
+        self._stage(columns, done, infos)
 
     def sample(self, batch_size: int,  # type: ignore[override]
                env: VecNormalize | None = None) -> DictReplayBufferSamples:
         """``batch_size`` uniform draws as SB3's ``DictReplayBufferSamples``."""
-        batch, dones, rewards = self._draw(batch_size)
+        batch, dones, rewards = self._sample_rows(batch_size)
         obs, next_obs = ({key: batch[f"{prefix}_{key}"] for key in self.obs_shape}
                          for prefix in ("obs", "next_obs"))
         obs_, next_obs_ = self._normalize_obs(obs, env), self._normalize_obs(next_obs, env)
@@ -328,4 +414,97 @@ class DictReplayBuffer(_MillpondStorage, sb3.DictReplayBuffer):
             next_observations={key: self.to_torch(value) for key, value in next_obs_.items()},
             dones=self.to_torch(dones),
             rewards=self.to_torch(self._normalize_reward(rewards, env)),
+        )
+
+
+class NStepReplayBuffer(ReplayBuffer):
+    """SB3's ``NStepReplayBuffer``: :class:`ReplayBuffer` whose samples are n-step
+    transitions, computed at sample time exactly as SB3 computes them.
+
+    Arguments are :class:`ReplayBuffer`'s plus SB3's keyword ``n_steps`` (default 3) and
+    ``gamma`` (0.99). ``sample`` draws a step and an environment as SB3 does and returns
+    ``ReplayBufferSamples`` with ``observations``/``actions`` of that step; the window is
+    the ``n_steps`` steps from it, cut after the first step that is ``done``
+    (terminated or truncated) or the newest step held; ``rewards`` is
+    ``sum(gamma**k * r[t+k])`` over the window (each reward normalized by ``env`` first,
+    as SB3 does), ``next_observations`` those of the window's last step, ``dones`` 1
+    if that step terminated (with ``handle_timeout_termination=False``: if it was
+    done), and ``discounts = gamma ** len(window)``, the factor of the bootstrapped
+    value. Like SB3's it keeps every step's reward, done and timeout beside the
+    records (float32 ``[buffer_size, n_envs]`` arrays: ``rewards``, ``dones``,
+    ``timeouts``) and reads ``obs``, ``actions`` and ``next_obs`` from millpond.
+    """
+
+    def __init__(self, *args: Any, n_steps: int = 3, gamma: float = 0.99, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if n_steps < 1:
+            raise ValueError(f"n_steps must be at least 1, got {n_steps}")
+        self.n_steps = n_steps
+        self.gamma = gamma
+        shape = (self.buffer_size, self.n_envs)
+        self.rewards = np.zeros(shape, np.float32)
+        self.dones = np.zeros(shape, np.float32)
+        self.timeouts = np.zeros(shape, np.float32)
+        held = self.size()
+        if held:  # an existing server buffer: its steps, oldest first, are slots 0..held-1
+            flags = self._handle.sample_all(["rewards", "terminated", "truncated"])
+            rows = held * self.n_envs
+            done = flags["terminated"][-rows:] | flags["truncated"][-rows:]
+            self.rewards[:held] = flags["rewards"][-rows:].reshape(held, self.n_envs)
+            self.dones[:held] = done.reshape(held, self.n_envs)
+            if self.handle_timeout_termination:
+                self.timeouts[:held] = flags["truncated"][-rows:].reshape(held, self.n_envs)
+
+    def _mirror(self, done: np.ndarray, timeout: np.ndarray, reward: Any) -> None:
+        self.rewards[self.pos] = reward
+        self.dones[self.pos] = done
+        if self.handle_timeout_termination:
+            self.timeouts[self.pos] = timeout
+
+    def reset(self) -> None:
+        super().reset()
+        for array in (self.rewards, self.dones, self.timeouts):
+            array[:] = 0
+
+    def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
+        """``batch_size`` n-step transitions as SB3's ``ReplayBufferSamples`` (with
+        ``discounts``)."""
+        batch_inds, env_indices = self._draw(batch_size)
+        # As SB3: the newest step ends every window (it is marked truncated meanwhile
+        # unless done), so no window runs on into the oldest step of the ring.
+        last_valid_index = self.pos - 1
+        original = self.timeouts[last_valid_index].copy()
+        self.timeouts[last_valid_index] = np.logical_or(
+            original, np.logical_not(self.dones[last_valid_index]))
+        try:
+            steps = np.arange(self.n_steps).reshape(1, -1)
+            indices = (batch_inds[:, None] + steps) % self.buffer_size
+            rewards_seq = self._normalize_reward(self.rewards[indices, env_indices[:, None]], env)
+            dones_seq = self.dones[indices, env_indices[:, None]]
+            truncated_seq = self.timeouts[indices, env_indices[:, None]]
+            done_or_truncated = np.logical_or(dones_seq, truncated_seq)
+            done_idx = np.where(done_or_truncated.any(axis=1), done_or_truncated.argmax(axis=1),
+                                self.n_steps - 1)
+            mask = steps <= done_idx[:, None]
+            target_q_discounts = self.gamma ** mask.sum(axis=1, keepdims=True).astype(np.float32)
+            discounts = self.gamma ** np.arange(self.n_steps, dtype=np.float32).reshape(1, -1)
+            n_step_returns = (rewards_seq * discounts * mask).sum(axis=1, keepdims=True)
+            last_indices = (batch_inds + done_idx) % self.buffer_size
+            next_dones = self.dones[last_indices, env_indices][:, None].astype(np.float32)
+            next_timeouts = self.timeouts[last_indices, env_indices][:, None].astype(np.float32)
+            final_dones = next_dones * (1.0 - next_timeouts)
+        finally:
+            self.timeouts[last_valid_index] = original
+        # One read: obs and actions of the first steps, next_obs of the last ones.
+        rows = self._gather(np.concatenate([batch_inds, last_indices]),
+                            np.concatenate([env_indices, env_indices]),
+                            ["obs", "actions", "next_obs"])
+        return ReplayBufferSamples(
+            observations=self.to_torch(self._normalize_obs(rows["obs"][:batch_size], env)),  # type: ignore[arg-type]
+            actions=self.to_torch(rows["actions"][:batch_size]),
+            next_observations=self.to_torch(
+                self._normalize_obs(rows["next_obs"][batch_size:], env)),  # type: ignore[arg-type]
+            dones=self.to_torch(final_dones),
+            rewards=self.to_torch(n_step_returns),
+            discounts=self.to_torch(target_q_discounts),
         )
