@@ -225,6 +225,9 @@ class AsyncClient:
         rate_limiter: RateLimiter | None = None,
         episodes: bool = False,
         meta_fields: Mapping[str, Any] | None = None,
+        frame_stack: Mapping[str, int] | None = None,
+        next_of: Mapping[str, str] | None = None,
+        frame_capacity: int | None = None,
     ) -> AsyncBuffer:
         """Create the buffer ``name``, or attach to it if it exists with this config; the
         arguments are :meth:`millpond.Client.create_buffer`'s. An existing buffer with
@@ -235,7 +238,8 @@ class AsyncClient:
             obs_dim=obs_dim, act_dim=act_dim, fields=fields, mode=mode,
             max_times_sampled=max_times_sampled, rate_limiter=rate_limiter,
             prioritized=prioritized, alpha=alpha, beta=beta, episodes=episodes,
-            meta_fields=meta_fields)
+            meta_fields=meta_fields, frame_stack=frame_stack, next_of=next_of,
+            frame_capacity=frame_capacity)
         info, created = await self.grpc.create(name, config, self.timeout)
         return handle_for(self, name, info.checked_config(), owner=created)
 
