@@ -18,7 +18,8 @@ authentication costs: sample(256) over gRPC with a token and with TLS and a
 token, beside a daemon without either, and one buffer sharded over 1, 2 and 3
 daemons (bench_sharded.py). Episodic and learner-side sections: bench_episodes.py,
 bench_learner.py (epoch_iterator beside a numpy permutation-gather, device="cpu"),
-bench_contention.py (a learner's latency while an actor pushes).
+bench_contention.py (a learner's latency while an actor pushes), bench_torchrl.py (TorchRL's
+TensorDictReplayBuffer over MillpondStorage beside millpond's own sample).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from bench_contention import section as contention_section  # noqa: E402
 from bench_episodes import section as episodes_section  # noqa: E402
 from bench_learner import section as learner_section  # noqa: E402
 from bench_sharded import sharded_section  # noqa: E402
+from bench_torchrl import section as torchrl_section  # noqa: E402
 from grpc_limits import call_rate, grpc_limits_section  # noqa: E402
 from support import ServerProcess  # noqa: E402
 
@@ -445,9 +447,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, short timings")
     parser.add_argument("--seconds", type=float, default=None, help="time per measurement")
-    parser.add_argument("--only", choices=["grpc", "load"], help="only the section 'gRPC "
-                        "beside bare gRPC' or 'Under load' (to compare two source trees: "
-                        "PYTHONPATH=TREE/client:TREE/server)")
+    parser.add_argument("--only", choices=["grpc", "load", "torchrl"], help="only the section "
+                        "'gRPC beside bare gRPC', 'Under load' or 'TorchRL' (to compare two "
+                        "source trees: PYTHONPATH=TREE/client:TREE/server)")
     args = parser.parse_args()
     seconds = args.seconds or (0.3 if args.quick else 1.0)
     tmp = Path(tempfile.mkdtemp(prefix="millpond-bench-"))
@@ -458,6 +460,8 @@ def main() -> None:
             with ServerProcess(tmp / "data") as server:
                 if args.only == "grpc":
                     grpc_section(server.address, tmp, args.quick, seconds)
+                elif args.only == "torchrl":
+                    torchrl_section(server.address, args.quick, seconds, timed_rate)
                 else:
                     contention_section(server.address, workloads(args.quick), seconds)
             return
@@ -471,6 +475,7 @@ def main() -> None:
             memory_figure(server, 100_000 if args.quick else 1_000_000)
             episodes_section(server.address, args.quick, seconds, timed_rate)
             learner_section(server.address, args.quick, seconds, timed_rate)
+            torchrl_section(server.address, args.quick, seconds, timed_rate)
         durability_section(tmp, seconds)
         larger_than_memory.section(tmp, args.quick, seconds)
         prioritized_section(tmp, args.quick, seconds)

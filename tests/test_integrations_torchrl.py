@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import itertools
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 
@@ -367,6 +369,17 @@ def test_what_is_refused(storage):
                                   sampler=MillpondPrioritizedSampler()).sample(2)
     with pytest.raises(NotImplementedError):
         uniform.dumps("/nonexistent")
+
+
+def test_the_readme_example_runs_on_a_server(shared_server):
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
+                 if "MillpondPrioritizedSampler" in b)
+    scope: dict = {}
+    exec(compile(block.replace("localhost:50051", shared_server.address), "README.md", "exec"),
+         scope)
+    assert scope["batch"]["priority_weight"].shape == (256,)
+    assert scope["rb"].storage.buffer.closed
 
 
 # ---- TorchRL's own tests (test/rb/), ported --------------------------------------------

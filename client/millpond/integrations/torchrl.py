@@ -114,6 +114,7 @@ from torchrl.data.replay_buffers.storages import Storage, StoreStorage
 
 import millpond
 from millpond.errors import BufferNotFoundError, InvalidArgumentError, NotEnoughDataError
+from millpond.handle.devices import to_device
 from millpond.handle.episode_writer import EpisodeStream
 
 SEP = "__"  # ("next", "obs") <-> "next__obs"
@@ -193,7 +194,7 @@ class MillpondStorage(StoreStorage):
         if max_size is None:
             max_size = buffer.total_capacity
         Storage.__init__(self, int(max_size))  # not StoreStorage's: no Redis
-        self.device = torch.device(device)
+        self._device = torch.device(device)
         self.name, self.hot_capacity, self.cold_path = name, hot_capacity, cold_path
         self._fields = fields
         self._client = client
@@ -227,6 +228,11 @@ class MillpondStorage(StoreStorage):
         self.buffer = buffer
         self.max_size = int(buffer.total_capacity)
         self._keys = {n: tuple(n.split(SEP)) for n in buffer.schema.names}
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where sampled tensors go; None for the CPU (TorchRL then moves nothing)."""
+        return None if self._device.type == "cpu" else self._device
 
     @property
     def initialized(self) -> bool:  # (StoreStorage's attribute)
@@ -457,30 +463,41 @@ class MillpondStorage(StoreStorage):
                 node = node.setdefault(part, {})
             node[parts[-1]] = value
         batch = torch.Size([n, *self._batch_dims])
-        if _new_unsafe is not None:  # the columns are checked: [n, *shape] on self.device
-            return _new_unsafe(nested, batch_size=batch, device=self.device)
-        return TensorDict(nested, batch_size=batch, device=self.device)
+        if _new_unsafe is not None:  # the columns are checked: [n, *shape] on self._device
+            return _new_unsafe(nested, batch_size=batch, device=self._device)
+        return TensorDict(nested, batch_size=batch, device=self._device)
 
     def _stash(self, index: torch.Tensor, data: Any) -> None:
         """Hand ``data`` to the ``get(index)`` TorchRL makes next (same thread, same object)."""
         self._local.token = None
         self._local.stash = (index, data)
 
+    def _tensors(self, columns: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """A sample's numpy columns as tensors on the storage's device (on the CPU sharing
+        their memory, as the handle's ``device="cpu"`` does, without its checks)."""
+        if self._device.type != "cpu":
+            return to_device(columns, self._device)
+        out = {}
+        for name, array in columns.items():
+            if not array.flags.writeable or not array.flags.c_contiguous:
+                array = np.array(array)  # torch shares memory only with writable C arrays
+            out[name] = torch.from_numpy(array)
+        return out
+
     def _draw(self, batch_size: int, seed: int | None) -> dict[str, torch.Tensor]:
         """``batch_size`` records drawn by millpond, with replacement (in parts when the
         buffer holds fewer: millpond draws at most ``len`` at once)."""
         buffer = self._require()
         try:
-            return buffer.sample(batch_size, seed, device=self.device)
+            return self._tensors(buffer.sample(batch_size, seed))
         except NotEnoughDataError:
             held = len(buffer)
             if held == 0:
                 raise RuntimeError(EMPTY) from None
         parts = [buffer.sample(min(held, batch_size - start),
-                               None if seed is None else (seed + i) % _SEED_RANGE,
-                               device=self.device)
+                               None if seed is None else (seed + i) % _SEED_RANGE)
                  for i, start in enumerate(range(0, batch_size, held))]
-        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        return self._tensors({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
 
     def get(self, index: Any) -> Any:
         stash = getattr(self._local, "stash", None)
@@ -495,7 +512,7 @@ class MillpondStorage(StoreStorage):
             isinstance(index, torch.Tensor) and index.ndim == 0)
         if isinstance(index, slice):
             if index == slice(None):
-                return self._tensordict(buffer.sample_all(device=self.device), len(buffer))
+                return self._tensordict(buffer.sample_all(device=self._device), len(buffer))
             positions = np.arange(len(buffer))[index]
         else:
             if isinstance(index, torch.Tensor):
@@ -503,7 +520,7 @@ class MillpondStorage(StoreStorage):
             positions = np.asarray(index, dtype=np.int64).reshape(-1)
             if (positions < 0).any():
                 positions = np.where(positions < 0, positions + len(buffer), positions)
-        data = self._tensordict(buffer.sample_by_index(positions, device=self.device),
+        data = self._tensordict(buffer.sample_by_index(positions, device=self._device),
                                 len(positions))
         return data[0] if single else data
 
@@ -645,7 +662,7 @@ class MillpondSampler(_MillpondSampler, Sampler):
             raise InvalidArgumentError(
                 "this millpond buffer is prioritized: sample it with MillpondPrioritizedSampler")
         data = store._tensordict(store._draw(batch_size, self._seed()), batch_size)
-        index = torch.full((batch_size,), -1, dtype=torch.long, device=store.device)
+        index = torch.full((batch_size,), -1, dtype=torch.long, device=store._device)
         store._stash(index, data)
         return index, {}
 
@@ -702,7 +719,7 @@ class MillpondPrioritizedSampler(_MillpondSampler, PrioritizedSampler):
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu") if self._store is None else self._store.device
+        return torch.device("cpu") if self._store is None else self._store._device
 
     @property
     def default_priority(self) -> float:
@@ -861,11 +878,11 @@ class MillpondSliceSampler(_MillpondSampler, Sampler):
         flat = mask.reshape(-1)
         n = int(flat.sum())
         columns = {name: torch.from_numpy(np.ascontiguousarray(
-            col.reshape(-1, *col.shape[2:])[flat])).to(store.device) for name, col in draw.items()}
+            col.reshape(-1, *col.shape[2:])[flat])).to(store._device) for name, col in draw.items()}
         data = store._tensordict(columns, n)
         ends = np.cumsum(lens) - 1  # each slice's last step in the flat batch
         info = self._markers(data, ends, n)
-        index = torch.full((n,), -1, dtype=torch.long, device=store.device)
+        index = torch.full((n,), -1, dtype=torch.long, device=store._device)
         store._stash(index, data)
         return index, info
 
