@@ -1,9 +1,9 @@
 """TorchRL's replay-buffer parts over millpond: a ``Storage`` and samplers that draw on it.
 
-The records live in a millpond buffer, in this process or on a daemon; the
-samplers ask millpond for a sample (one call: draw and data together) instead of
-drawing indices here and fetching them, so TorchRL's buffers sample at
-millpond's own speed::
+The records live in a millpond buffer, in this process or on a daemon. The
+samplers ask millpond for a sample (one call: the draw and the data together)
+instead of drawing indices here and reading them, so TorchRL's buffers sample
+at millpond's own speed::
 
     from torchrl.data import TensorDictReplayBuffer
     from millpond.integrations.torchrl import (
@@ -18,80 +18,86 @@ millpond's own speed::
     rb.update_tensordict_priority(batch)      # or rb.update_priority(batch["index"], prios)
 
 Without ``address``/``name`` (or ``client=``/``name``) the buffer is an in-process
-millpond buffer. ``buffer=`` wraps a millpond handle made elsewhere.
+millpond buffer; ``buffer=`` takes a millpond handle made elsewhere.
 
 Contract:
 
 * **Records and keys.** A TensorDict's leaves become millpond fields, nested keys
   joined by ``__`` (``("next", "observation")`` is the field
-  ``next__observation``; a sample unflattens them). Keys must be identifiers
+  ``next__observation``; samples are nested again). Keys must be identifiers
   without ``__``; leaves must be bool, int, uint or float tensors (not bfloat16,
-  complex, strings or other non-tensor data). A plain tensor (``ReplayBuffer``
-  of tensors) is the one field ``_tensor``. The schema is taken from the first
-  write (or from ``fields={name: (dtype, shape)}``, flattened names); the
-  millpond buffer is created then, of ``max_size`` records (``hot_capacity``:
-  the newest in RAM, the rest in the buffer's file), with what the attached
-  buffers' samplers need (prioritized with the sampler's ``alpha``/``beta``,
-  episodic for slices). On a server, an existing buffer of that name is
-  attached to at construction, whatever ``max_size`` says (its kind, schema and
-  capacity win); a learner may attach to what actors write. The ``"index"``
-  key TorchRL's writers add is not stored, nor is the priority key (below).
-* **Writes append.** ``set`` appends, whatever the cursor: TorchRL's
-  round-robin writers (the default ``RoundRobinWriter`` and
-  ``TensorDictRoundRobinWriter``) keep their cursors, and the millpond buffer
-  evicts its oldest records first, as a ring of ``max_size`` does. Writes at
-  chosen indices (``storage[i] = x``, ``write_at``, ``TensorDictMaxValueWriter``,
-  consuming samplers reusing slots) raise ``NotImplementedError``.
-* **Indices are millpond's record indices** (seqs): ``index`` in a prioritized
-  sample counts every record ever written to the buffer, so it never names a
-  newer record after the buffer wraps; ``update_priority`` of a record evicted
-  since is ignored (TorchRL's ring slots would give the priority to whatever
-  record took the slot). The indices ``extend`` returns are still the writer's
-  ring slots (millpond's push does not say which seqs it took). millpond's
-  uniform samples and slices do not say which records they drew: their
-  ``index`` is ``-1``. ``get``/``storage[i]``/``rb[i]`` read by *position*:
-  0 is the oldest record held, ``len - 1`` the newest.
-* **Samplers.** :class:`MillpondSampler`: uniform with replacement.
-  :class:`MillpondPrioritizedSampler`: proportional, ``P(i) ~ (p_i + eps) **
-  alpha``, importance weights ``(p_i / p_min) ** -beta`` as TorchRL's
-  ``PrioritizedSampler`` (key ``"priority_weight"``); records written without a
-  priority get the largest one seen; a priority key (``td_error``) in written
-  TensorDicts is sent with the records as their priorities, not stored as a
-  field (TorchRL stores it; here writes with and without it mix), and
-  TorchRL's immediate ``update_priority`` after that write is skipped, its
-  work done; ``beta`` may be
-  annealed (``sampler.beta = b`` sets it on the buffer). :class:`MillpondSliceSampler`:
-  ``num_slices`` or ``slice_len`` windows of consecutive steps of one
-  trajectory each, flat ``[num_slices * slice_len]``, with TorchRL's
-  ``("next", "truncated")``/``done``/``terminated`` markers at each slice's last
-  step and ``is_init`` at its first (when stored). Trajectories come from
-  ``traj_key`` (default ``"episode"``) if written, else from ``end_key``
-  (default ``("next", "done")``; ``end_keys`` ORs several), at write time, as
-  millpond episodes. With ``strict_length`` (default) every slice is full; a
-  slice's start is uniform among the records that begin a full slice (TorchRL
-  draws a trajectory first, then a start in it); ``strict_length=False``
-  keeps shorter windows at trajectory ends, as TorchRL's ragged output.
-  Batches larger than the buffer are drawn with replacement, as TorchRL's.
-  A ``generator`` on the replay buffer seeds millpond's draws (reproducible
-  in-process); without one draws use fresh entropy, not torch's global seed.
+  complex, strings or other non-tensor data). A plain tensor (a ``ReplayBuffer``
+  of tensors) is the one field ``_tensor``. The schema is the first write's (or
+  ``fields={name: (dtype, shape)}``, flattened names); the millpond buffer is
+  created then, of ``max_size`` records (``hot_capacity``: the newest in RAM, the
+  rest in the buffer's file), of the kind the attached buffers' samplers need
+  (prioritized with the sampler's ``alpha``/``beta``; episodic for slices: an
+  actor writing to a learner's buffer should use the learner's sampler class).
+  On a server, a buffer of that name that exists is attached to at construction
+  (its kind, schema and capacity win over ``max_size``). The ``"index"`` key
+  TorchRL's writers add is not stored, nor is the priority key (below). ``len``
+  asks the buffer (a round trip on a server: other writers' records count).
+* **Writes append.** TorchRL's round-robin writers (the default
+  ``RoundRobinWriter`` and ``TensorDictRoundRobinWriter``) keep their cursors and
+  the millpond buffer evicts its oldest records first, as a ring of ``max_size``
+  does. Writes at chosen indices (``storage[i] = x``, ``write_at``,
+  ``TensorDictMaxValueWriter``, consuming samplers reusing slots) raise
+  ``NotImplementedError``.
+* **Indices are millpond's record indices** (seqs): a prioritized sample's
+  ``index`` counts the records ever written to the buffer, so it never names a
+  newer record once the buffer wraps, and ``update_priority`` of a record
+  evicted since is ignored (with ring slots the priority went to whatever
+  record took the slot). The indices ``extend`` returns are the writer's ring
+  slots (a millpond push does not say which seqs it took). Uniform samples and
+  slices do not say which records they drew (millpond's do not): their
+  ``index`` is ``-1``. ``get`` (``storage[i]``, ``rb[i]``, ``rb[:]``) reads by
+  *position*: 0 is the oldest record held, ``len - 1`` the newest.
+* :class:`MillpondSampler`: uniform with replacement.
+* :class:`MillpondPrioritizedSampler`: proportional, ``P(i) ~ (p_i + eps) **
+  alpha``, importance weights ``(p_i / p_min) ** -beta`` under TorchRL's key
+  ``"priority_weight"``, as TorchRL's ``PrioritizedSampler``. Records written
+  without a priority get the largest one seen. A priority key (``td_error``) in
+  written TensorDicts goes with the records as their priorities instead of being
+  stored (TorchRL stores it; here writes with and without it mix), and TorchRL's
+  ``update_priority`` right after that write is skipped, its work done.
+  ``sampler.beta = b`` sets beta on the buffer (annealing); ``alpha`` is fixed
+  once the buffer exists.
+* :class:`MillpondSliceSampler` (TorchRL's ``SliceSampler`` arguments
+  ``num_slices``/``slice_len``, ``traj_key``, ``end_key``/``end_keys``,
+  ``truncated_key``, ``init_key``, ``strict_length``): windows of consecutive
+  steps of one trajectory each, flat ``[num_slices * slice_len]``, with
+  TorchRL's ``("next", "truncated")``/``done``/``terminated`` markers at each
+  slice's last step and ``is_init`` at its first (when stored). Trajectories are
+  millpond episodes, told at write time by ``traj_key`` (by default, as
+  TorchRL's, whichever of ``("collector", "traj_ids")`` and ``"episode"`` is
+  written; ids of different storages never mix), else by the end flags
+  (``("next", "done")`` by default: a trajectory runs to its flag, so write one
+  environment's steps in order, or a trajectory key). With ``strict_length``
+  (the default) every slice is full and its start is uniform among the records
+  that begin a full slice (TorchRL draws a trajectory, then a start in it);
+  ``strict_length=False`` also returns whole trajectories shorter than a slice,
+  as TorchRL's ragged output.
+* Batches larger than the buffer are drawn with replacement, as TorchRL's. A
+  ``generator`` on the replay buffer seeds millpond's draws (reproducible); without
+  one draws use fresh entropy, not torch's global seed.
 * **TorchRL's own samplers** that draw on the client (``RandomSampler``,
-  ``SamplerWithoutReplacement``) work over this storage, reading the drawn
-  positions: two round trips per sample on a server (length, then the read).
-  Its ``PrioritizedSampler`` and slice samplers are refused (TypeError): they
-  keep priorities or trajectory boundaries by ring slot on this client, which
-  do not follow a shared server buffer (priorities went to the wrong records
-  once it wrapped) and would read the whole storage to find trajectories.
+  ``SamplerWithoutReplacement``) work over this storage, reading the positions
+  they draw: two round trips per sample on a server (the length, then the read).
+  Its ``PrioritizedSampler`` and slice samplers are refused (TypeError): they keep
+  priorities or trajectory boundaries by ring slot on this client, which do not
+  follow a shared buffer (priorities reached the wrong records once it wrapped),
+  and would read the whole storage to find trajectories.
 
 Not supported: pytrees other than TensorDicts and tensors, tensorclasses,
-storages with ``ndim > 1``, writers other than round-robin, ``alpha`` changed
-after the buffer exists, prioritized slices, TorchRL's slice options ``span``,
-``pad_output``, ``fragmented``, ``cache_values``, ``compile``,
-``TensorDictPrioritizedReplayBuffer`` (it builds TorchRL's own
-``PrioritizedSampler``; use ``TensorDictReplayBuffer`` with
-:class:`MillpondPrioritizedSampler`), ``torch.compile`` of sampling, and
-``dumps``/``loads`` checkpoints (a daemon's buffers persist by themselves;
-``storage.buffer.export(path)`` writes the records). ``state_dict`` of a server
-storage names the buffer; ``load_state_dict`` attaches to it.
+storages with ``ndim > 1``, writers other than round-robin, prioritized slices,
+TorchRL's slice options ``span``, ``pad_output``, ``fragmented``,
+``cache_values`` and ``compile``, ``TensorDictPrioritizedReplayBuffer`` (it makes
+TorchRL's own ``PrioritizedSampler``: use ``TensorDictReplayBuffer`` with
+:class:`MillpondPrioritizedSampler`), ``torch.compile`` of sampling, and TorchRL
+checkpoints (``dumps``/``loads`` raise: a daemon's buffers persist by themselves,
+and ``storage.buffer.export(path)`` writes the records). A server storage's
+``state_dict`` names its buffer and ``load_state_dict`` attaches to it; it
+pickles by address and name.
 """
 
 from __future__ import annotations
@@ -121,6 +127,8 @@ SEP = "__"  # ("next", "obs") <-> "next__obs"
 TENSOR_FIELD = "_tensor"  # the field of a storage of plain tensors
 INDEX_KEY = "index"  # added by TorchRL's writers and samples; never stored
 EMPTY = "Cannot sample from an empty storage."  # TorchRL's words
+# Trajectory keys tried when a slice sampler names none, as TorchRL's SliceSampler tries them.
+AUTO_TRAJ_KEYS = (("collector", "traj_ids"), "episode")
 _SEED_RANGE = 2**31 - 1
 _EPISODE_MASK = (1 << 63) - 1
 _MAX_SLICE_DRAWS = 32  # rounds of drawing before a strict slice sample gives up
@@ -401,15 +409,16 @@ class MillpondStorage(StoreStorage):
             self._keys[name] = _names(key)
         return name
 
-    def _episode_keys(self) -> tuple[Any, list[Any]]:
+    def _episode_keys(self) -> tuple[list[Any], list[Any]]:
+        """(trajectory keys to try in turn, end keys), from the slice sampler if any."""
         for sampler in self._samplers():
             if isinstance(sampler, MillpondSliceSampler):
-                return sampler.traj_key, sampler.end_keys
-        return "episode", [("next", "done")]
+                return sampler._traj_keys(), sampler.end_keys
+        return list(AUTO_TRAJ_KEYS), [("next", "done")]
 
     def _episodes(self, td: TensorDictBase, n: int) -> dict[str, Any]:
         """Each record's millpond episode: from the trajectory key, else from end flags."""
-        traj_key, end_keys = self._episode_keys()
+        traj_keys, end_keys = self._episode_keys()
         ends = np.zeros(n, bool)
         found = False
         for key in end_keys:
@@ -417,7 +426,7 @@ class MillpondStorage(StoreStorage):
             if flag is not None:
                 ends |= flag.detach().cpu().reshape(n, -1).numpy().any(axis=1)
                 found = True
-        traj = td.get(traj_key, None) if traj_key is not None else None
+        traj = next((t for t in (td.get(k, None) for k in traj_keys) if t is not None), None)
         out: dict[str, Any] = {}
         if traj is not None:
             values = traj.detach().cpu().reshape(n, -1)[:, 0].numpy().astype(np.int64)
@@ -427,8 +436,8 @@ class MillpondStorage(StoreStorage):
             out["stream"] = ends
         else:
             raise InvalidArgumentError(
-                f"an episodic buffer needs each record's trajectory: write {traj_key!r} or "
-                f"{end_keys[0]!r} (MillpondSliceSampler's traj_key / end_key)")
+                f"an episodic buffer needs each record's trajectory: write one of "
+                f"{traj_keys + end_keys} (MillpondSliceSampler's traj_key / end_key)")
         out["episodes"] = ids
         ended = list(dict.fromkeys(int(e) for e in ids[ends]))
         if ended:
@@ -479,8 +488,8 @@ class MillpondStorage(StoreStorage):
             return to_device(columns, self._device)
         out = {}
         for name, array in columns.items():
-            if not array.flags.writeable or not array.flags.c_contiguous:
-                array = np.array(array)  # torch shares memory only with writable C arrays
+            if not array.flags.writeable:
+                array = array.copy()  # torch shares memory only with writable arrays
             out[name] = torch.from_numpy(array)
         return out
 
@@ -512,7 +521,8 @@ class MillpondStorage(StoreStorage):
             isinstance(index, torch.Tensor) and index.ndim == 0)
         if isinstance(index, slice):
             if index == slice(None):
-                return self._tensordict(buffer.sample_all(device=self._device), len(buffer))
+                columns = buffer.sample_all(device=self._device)
+                return self._tensordict(columns, len(next(iter(columns.values()))))
             positions = np.arange(len(buffer))[index]
         else:
             if isinstance(index, torch.Tensor):
@@ -803,13 +813,16 @@ class MillpondSliceSampler(_MillpondSampler, Sampler):
             raise ValueError("end_key and end_keys are exclusive")
         self.num_slices, self.slice_len = num_slices, slice_len
         self.end_keys = list(end_keys) if end_keys is not None else [end_key or ("next", "done")]
-        self.traj_key = traj_key if traj_key is not None else "episode"
+        self.traj_key = traj_key  # None: AUTO_TRAJ_KEYS
         self.truncated_key, self.init_key = truncated_key, init_key
         self.strict_length = strict_length
         self._accepted = 1.0  # full windows per window drawn, lately
 
     def _episodic(self) -> bool:
         return True
+
+    def _traj_keys(self) -> list[Any]:
+        return list(AUTO_TRAJ_KEYS) if self.traj_key is None else [self.traj_key]
 
     def _shape(self, batch_size: int) -> tuple[int, int]:
         """(slice length, slices) for ``batch_size`` records, as TorchRL's."""
