@@ -206,8 +206,9 @@ class MillpondStorage(StoreStorage):
         self.name, self.hot_capacity, self.cold_path = name, hot_capacity, cold_path
         self._fields = fields
         self._client = client
+        self._own_client = False
         if address is not None and client is None:
-            self._client = millpond.connect(address, token=token)
+            self._client, self._own_client = millpond.connect(address, token=token), True
         self.buffer: Any = None
         self._last_cursor = None
         self._init_local()
@@ -308,9 +309,12 @@ class MillpondStorage(StoreStorage):
 
     def close(self) -> None:
         """Close the millpond handle: an in-process buffer, or a server buffer this storage
-        created, is deleted; one it attached to stays."""
+        created, is deleted; one it attached to stays. A client made from ``address`` is
+        closed too (one given as ``client=`` is the caller's)."""
         if self.buffer is not None:
             self.buffer.close()
+        if self._own_client:
+            self._client.close()
 
     # ---- writes ---------------------------------------------------------------------------
 
@@ -566,7 +570,9 @@ class MillpondStorage(StoreStorage):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._client is None or state_dict.get("name") != self.name:
-            self._client = millpond.connect(state_dict["address"])
+            if self._own_client:
+                self._client.close()
+            self._client, self._own_client = millpond.connect(state_dict["address"]), True
             self.name = state_dict["name"]
         self._adopt(self._client.buffer(self.name))
         self._next_cursor = None
