@@ -141,6 +141,25 @@ def test_a_sample_is_one_call_drawn_by_millpond(shared_server):
     prio.close()
 
 
+def test_every_sampler_over_grpc_only(shared_server):
+    """The same calls through a client that moves data over gRPC, not shared memory."""
+    client = millpond.connect(shared_server.address, shm=False)
+    for sampler in (MillpondSampler(), MillpondPrioritizedSampler(alpha=1.0),
+                    MillpondSliceSampler(slice_len=4)):
+        st = MillpondStorage(100, client=client, name=f"torchrl-{next(_names)}")
+        rb = tr.TensorDictReplayBuffer(storage=st, sampler=sampler, batch_size=16)
+        rb.extend(transitions(150))
+        batch = rb.sample()
+        assert batch.batch_size == torch.Size([16]) and (batch["step"] >= 50).all()
+        if isinstance(sampler, MillpondPrioritizedSampler):
+            assert torch.equal(batch["index"], batch["step"])
+            rb.update_priority(batch["index"][:1], torch.tensor([1e6]))
+            assert (rb.sample()["step"] == batch["step"][0]).float().mean() > 0.9
+        st.close()
+    assert {transport for transport, _ in client.calls} == {"grpc"}
+    client.close()
+
+
 def test_prioritized_sampling_stays_right_after_the_buffer_wraps(storage):
     """The bug this adapter exists for: TorchRL's PrioritizedSampler kept priorities by
     ring slot, which another record takes once the buffer wraps."""

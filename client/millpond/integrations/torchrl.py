@@ -176,6 +176,9 @@ def _reduce(values: torch.Tensor, n: int, reduction: str) -> torch.Tensor:
 class MillpondStorage(StoreStorage):
     """A TorchRL storage whose records live in a millpond buffer; see the module docstring.
 
+    (A ``StoreStorage``, TorchRL's storage over a key-value server, so that TorchRL
+    takes its samples as they come, already batched; none of its Redis code runs.)
+
     ``max_size``: records kept (the oldest evicted first). ``address`` and
     ``name`` (or ``client`` and ``name``: a :func:`millpond.connect` client, for
     its settings) put the buffer on a daemon; ``token`` is ``connect``'s.
