@@ -322,6 +322,18 @@ def test_generator_makes_draws_reproducible(storage):
         assert (rb.sample(32) != a).any()
 
 
+def test_a_sample_is_read_back_even_as_a_copy_of_its_index(storage):
+    """TorchRL reads a sample back with the index the sampler returned (moved to the
+    storage's device first if it has one): a copy reads the same batch, not positions."""
+    st = storage(100)
+    rb = tr.TensorDictReplayBuffer(storage=st, sampler=MillpondSampler(), batch_size=8)
+    rb.extend(transitions(50))
+    index, _ = rb.sampler.sample(st, 8)
+    batch = st.get(index.clone())
+    assert (batch["step"] >= 0).all() and len(batch["step"].unique()) > 1  # not position -1
+    assert torch.equal(st.get(torch.tensor([-1]))["step"], torch.tensor([49]))  # a position
+
+
 def test_prefetching_buffers_sample_in_threads(storage):
     st = storage(1_000)
     rb = tr.TensorDictReplayBuffer(storage=st, sampler=MillpondPrioritizedSampler(),

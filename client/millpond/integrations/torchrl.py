@@ -150,6 +150,14 @@ def _field_name(key: Any) -> str:
     return SEP.join(parts)
 
 
+def _same(stashed: torch.Tensor, index: Any) -> bool:
+    """Whether ``index`` is a copy of the index a sampler just returned."""
+    if isinstance(index, tuple) and len(index) == 1:
+        index = index[0]
+    return (isinstance(index, torch.Tensor) and index.shape == stashed.shape
+            and torch.equal(index.to(stashed.device), stashed))
+
+
 def _replace_last(key: Any, name: str) -> Any:
     """``key`` with its last part ``name`` (a string stays a string), as TorchRL's."""
     return name if isinstance(key, str) else (*key[:-1], name)
@@ -517,9 +525,10 @@ class MillpondStorage(StoreStorage):
 
     def get(self, index: Any) -> Any:
         stash = getattr(self._local, "stash", None)
-        if stash is not None and stash[0] is index:
+        if stash is not None:
             self._local.stash = None
-            return stash[1]
+            if stash[0] is index or _same(stash[0], index):  # (a copy: moved to a device)
+                return stash[1]
         self._check_attached()
         buffer = self._require()
         if isinstance(index, tuple) and len(index) == 1:
