@@ -22,7 +22,8 @@ bench_contention.py (a learner's latency while an actor pushes), bench_integrity
 record checksum, persistent pushes and recovery: format 5 beside format 4), bench_backup.py
 (an actor's push throughput while the daemon writes snapshots of its buffer, vs alone),
 bench_sb3.py (DQN's steps per second with SB3's own buffer, the SB3 adapter in-process and
-on a daemon).
+on a daemon), bench_torchrl.py
+(TorchRL's TensorDictReplayBuffer over MillpondStorage beside millpond's own sample).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from bench_learner import section as learner_section  # noqa: E402
 from bench_pixels import section as pixels_section  # noqa: E402
 from bench_sb3 import section as sb3_section  # noqa: E402
 from bench_sharded import sharded_section  # noqa: E402
+from bench_torchrl import section as torchrl_section  # noqa: E402
 from grpc_limits import call_rate, grpc_limits_section  # noqa: E402
 from support import ServerProcess  # noqa: E402
 
@@ -453,12 +455,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, short timings")
     parser.add_argument("--seconds", type=float, default=None, help="time per measurement")
-    parser.add_argument("--only", choices=["grpc", "load", "integrity", "backup", "pixels", "sb3"],
+    parser.add_argument("--only", choices=["grpc", "load", "integrity", "backup", "pixels", "sb3",
+                                           "torchrl"],
                         help="only the section 'gRPC beside bare gRPC', 'Under load' (to compare "
                         "two source trees: PYTHONPATH=TREE/client:TREE/server), 'Integrity' "
                         "(format 5's checksum and commit beside format 4's), 'Backups', 'Pixels' "
-                        "(frames stored once, on Atari frames) or 'SB3' (DQN with SB3's buffer "
-                        "beside the adapter)")
+                        "(frames stored once, on Atari frames), 'SB3' (DQN with SB3's buffer "
+                        "beside the adapter) or 'TorchRL' (TorchRL's buffers over millpond)")
     args = parser.parse_args()
     seconds = args.seconds or (0.3 if args.quick else 1.0)
     tmp = Path(tempfile.mkdtemp(prefix="millpond-bench-"))
@@ -481,6 +484,8 @@ def main() -> None:
             with ServerProcess(tmp / "data") as server:
                 if args.only == "grpc":
                     grpc_section(server.address, tmp, args.quick, seconds)
+                elif args.only == "torchrl":
+                    torchrl_section(server.address, args.quick, seconds, timed_rate)
                 else:
                     contention_section(server.address, workloads(args.quick), seconds)
             return
@@ -494,6 +499,7 @@ def main() -> None:
             memory_figure(server, 100_000 if args.quick else 1_000_000)
             episodes_section(server.address, args.quick, seconds, timed_rate)
             learner_section(server.address, args.quick, seconds, timed_rate)
+            torchrl_section(server.address, args.quick, seconds, timed_rate)
         durability_section(tmp, seconds)
         integrity_section(workloads(args.quick), args.quick, seconds, timed_rate)
         backup_section(tmp, workloads(args.quick), seconds, fmt_rate)

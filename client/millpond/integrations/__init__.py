@@ -7,4 +7,7 @@ Each submodule imports its framework when it is imported, never before:
   ``DictReplayBuffer`` (``pip install 'millpond[sb3]'``).
 * :mod:`millpond.integrations.objectrl`: objectrl's TensorDict ``ReplayBuffer``
   (``pip install 'millpond[objectrl]'``).
+* :mod:`millpond.integrations.torchrl`: a TorchRL ``Storage`` and samplers drawn by
+  millpond, for ``ReplayBuffer`` and ``TensorDictReplayBuffer``
+  (``pip install 'millpond[torchrl]'``).
 """
