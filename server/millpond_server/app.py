@@ -23,6 +23,7 @@ from millpond.remote.malloc import tune_malloc_for_large_messages
 
 from .auth import load_auth, reload_tokens, server_credentials
 from .backups import BackupDir
+from .compat import run as run_loop
 from .config import ServeConfig
 from .edge import EdgeLimits, Gate
 from .fatal import fatal_storage_error
@@ -314,11 +315,4 @@ class PeriodicSync(threading.Thread):
 
 
 def run(cfg: ServeConfig) -> int:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
-        loop_factory = None
-    else:
-        loop_factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(serve(cfg))
+    return run_loop(serve(cfg))

@@ -39,7 +39,6 @@ never a traceback.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,8 @@ from typing import Any
 from millpond.core import BufferConfig
 from millpond.core.ratelimit import MinSize, RateLimiter, SampleToInsertRatio
 from millpond.errors import InvalidConfigError
+
+from .compat import tomllib
 
 
 class ConfigError(Exception):

@@ -26,7 +26,6 @@ need no lock.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 from collections import Counter
@@ -45,6 +44,7 @@ from millpond.errors import (
 from millpond.wire.status import ERROR_CODE_KEY, status_for
 
 from .auth import Auth
+from .compat import timeout
 
 # The role the running call authenticated as (each call runs in a task of its own).
 CALLER_ROLE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -206,7 +206,7 @@ class Gate(grpc.aio.ServerInterceptor):
     async def _first(self, requests: AsyncIterator[Any]) -> Any:
         """The first message, within --first-message-s of the call's start."""
         try:
-            async with asyncio.timeout(self.limits.first_message_s):
+            async with timeout(self.limits.first_message_s):
                 return await anext(aiter(requests))
         except TimeoutError:
             raise self._late() from None
@@ -218,7 +218,7 @@ class Gate(grpc.aio.ServerInterceptor):
         until a full garbage collection.)"""
         messages = aiter(requests)
         try:
-            async with asyncio.timeout(self.limits.first_message_s):
+            async with timeout(self.limits.first_message_s):
                 request = await anext(messages)
                 await anext(messages)
         except StopAsyncIteration:

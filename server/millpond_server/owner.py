@@ -36,6 +36,7 @@ from millpond.core import BufferInfo, TieredBuffer
 from millpond.core.ratelimit import WaitCounts
 from millpond.errors import RateLimitTimeoutError
 
+from .compat import timeout
 from .waits import WaitingCalls, WouldWait
 
 T = TypeVar("T")
@@ -155,7 +156,8 @@ class BufferOwner:
                 if left is not None and left <= 0:
                     raise _timed_out(wait, loop.time() - start)
                 try:
-                    await asyncio.wait_for(completed.wait(), left)
+                    async with timeout(left):
+                        await completed.wait()
                 except TimeoutError:
                     pass
         finally:

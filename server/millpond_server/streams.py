@@ -18,6 +18,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from .compat import timeout
+
 
 class CallStreams:
     """Serves the streams of calls of one daemon."""
@@ -37,7 +39,7 @@ class CallStreams:
         while not self.stopping:
             self._between_messages.add(task)
             try:
-                async with asyncio.timeout(self.idle_s):
+                async with timeout(self.idle_s):
                     raw = await anext(messages)
             except (StopAsyncIteration, TimeoutError):  # the client's end, or idle
                 return

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable
 
 import grpc
 
+from millpond.compat import add_note
 from millpond.errors import (
     DeadlineExceededError,
     ProtocolError,
@@ -171,7 +172,7 @@ class PushWindow:
         """Keep ``error`` (of the oldest push) for the caller; drop the pushes after it."""
         dropped = len(self._pending) - 1
         if dropped:
-            error.add_note(f"{dropped} push_batch call(s) sent after it on this handle {fate}")
+            add_note(error, f"{dropped} push_batch call(s) sent after it on this handle {fate}")
         self._pending.clear()
         self._end_stream()
         if self._error is None:
