@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from millpond.errors import StorageIOError
 from millpond.remote.malloc import tune_malloc_for_large_messages
+from millpond.remote.shm import facilities
 
 from .auth import load_auth, reload_tokens, server_credentials
 from .backups import BackupDir
@@ -46,6 +47,10 @@ def start_fastpath(cfg: ServeConfig, ops: Operations) -> tuple[FastPathServer | 
     clients can still connect."""
     if not cfg.shm:
         return None, "disabled by the server (--no-shm)"
+    lacking = facilities.lacking()
+    if lacking:  # not Linux, or a Python without what the fast path uses
+        log.warning("shm fast path unavailable", extra={"kv": {"error": lacking}})
+        return None, f"unavailable on the server: {lacking}"
     sessions_total = cfg.shm_max_sessions_total
     if sessions_total is None:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)

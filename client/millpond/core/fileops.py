@@ -37,12 +37,15 @@ def sync_fd(fd: int, path: str) -> None:
     StorageIOError on failure: the kernel may have dropped the pages it could not write,
     so a retry could falsely succeed."""
     try:
-        os.fdatasync(fd)
+        getattr(os, "fdatasync", os.fsync)(fd)  # macOS has no fdatasync
     except OSError as exc:
         raise StorageIOError(f"sync of {path} failed: {exc}") from exc
 
 
 def allocate(fd: int, size: int, path: str) -> None:
+    if not hasattr(os, "posix_fallocate"):  # macOS has none
+        os.ftruncate(fd, size)  # best effort, as on a file system without fallocate
+        return
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:

@@ -30,11 +30,13 @@ from millpond.errors import (
 from millpond.remote.grpc_transport import GrpcTransport
 from millpond.remote.malloc import tune_malloc_for_large_messages
 from millpond.remote.security import Credentials
+from millpond.remote.shm import facilities
 from millpond.remote.shm.protocol import read_boot_id
 from millpond.remote.shm.session import ResultPoolExhausted
 from millpond.remote.shm.transport import ShmTransport
 
 log = logging.getLogger("millpond.client")
+_told: set[str] = set()  # why this system has no fast path, once logged (once a process)
 
 
 class Transport(Protocol):
@@ -154,6 +156,12 @@ class Connection:
 
     def _negotiate(self) -> tuple[ShmTransport | None, str]:
         """Open the fast path if the server offers it and it is reachable from here."""
+        lacking = facilities.lacking()
+        if lacking:  # not Linux, or a Python without what the fast path uses: gRPC only
+            if lacking not in _told:
+                _told.add(lacking)
+                log.warning("the shared-memory fast path is off: %s; calls use gRPC", lacking)
+            return None, lacking
         boot_id = read_boot_id()
         try:
             offer = self.grpc.negotiate(boot_id, self._timeout)

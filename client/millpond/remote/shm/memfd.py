@@ -17,7 +17,10 @@ import os
 from millpond.core.memory import available_memory
 from millpond.errors import InvalidArgumentError, SharedMemoryError
 
-REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# Linux's values where this Python has no such constants: the module imports everywhere,
+# and the fast path is used only where all it needs is there (facilities.py).
+REQUIRED_SEALS = (getattr(fcntl, "F_SEAL_SHRINK", 0x0002) | getattr(fcntl, "F_SEAL_GROW", 0x0004)
+                  | getattr(fcntl, "F_SEAL_SEAL", 0x0001))
 
 
 # Never reserve more than this share of the memory still available: memfd
