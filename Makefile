@@ -7,8 +7,28 @@ RUN_STAMP := $(VENV)/.installed-run
 ARGS   ?=
 # The tests `make test-fast` runs: none that start a daemon, are slow or need Docker (pyproject.toml)
 FAST   := not daemon and not slow and not docker
+# `make test-pythons`: the CPythons millpond supports (README, "Platforms"); those found here
+# (on PATH or installed by pyenv) each get a venv of their own, .venv-X.Y, with the light
+# `test` extra only (the tests of torch, SB3 and Minari skip). Each runs the fast suite, less
+# the long model-based suites of the engine (`make test` runs them), then SMOKE: daemon tests
+# of what differs between Pythons (TOML, asyncio timeouts, the event loop, exception notes)
+# and of both transports, with the fast path's needs taken away too (test_platforms.py).
+PYTHONS ?= 3.10 3.11 3.12 3.13
+FAST_SKIP := --ignore=tests/test_buffer_model.py --ignore=tests/test_episodes_model.py \
+             --ignore=tests/test_removal_model.py
+SMOKE  := tests/test_platforms.py tests/test_client.py \
+          tests/test_shm.py::test_same_host_client_uses_shared_memory \
+          tests/test_shm.py::test_server_without_shm_means_grpc_silently_or_an_error_when_required \
+          tests/test_cli.py::test_toml_buffers_exist_at_start \
+          tests/test_cli.py::test_bad_config_exits_2_with_a_clear_message \
+          tests/test_grpc_streams.py::test_an_idle_stream_ends_and_the_next_call_opens_another \
+          tests/test_edge.py::test_calls_that_never_send_their_request_cannot_take_the_daemon \
+          tests/test_push_window.py::test_a_refused_push_is_raised_at_the_next_call_and_what_followed_was_not_stored \
+          tests/test_ratelimit_server.py::test_a_sample_times_out_with_a_clear_error_and_changes_nothing \
+          tests/test_ratelimit_server.py::test_waiting_samples_block_neither_other_buffers_nor_the_server \
+          tests/test_ratelimit_server.py::test_sigterm_while_calls_wait_stops_the_server_cleanly
 
-.PHONY: venv run test test-fast lint bench examples proto docker clean test-objectrl
+.PHONY: venv run test test-fast test-pythons lint bench examples proto docker clean test-objectrl
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +54,10 @@ test: lint  ## lint, type checks and the whole test suite
 
 test-fast: $(STAMP)  ## engine and in-process tests only, in well under a minute (no daemons, nothing slow)
 	$(PY) -m pytest -m "$(FAST)" $(ARGS)
+
+test-pythons:  ## the fast suite and daemon smoke tests on each CPython of PYTHONS found here
+	PYTHONS="$(PYTHONS)" FAST="$(FAST)" FAST_SKIP="$(FAST_SKIP)" SMOKE="$(SMOKE)" ARGS="$(ARGS)" \
+	    bash tests/pythons.sh
 
 lint: $(STAMP)  ## ruff and mypy (configured in pyproject.toml)
 	$(VENV)/bin/ruff check client server tests bench examples
@@ -69,4 +93,4 @@ test-objectrl: $(OBJECTRL_STAMP)  ## the objectrl adapter against the real objec
 	$(OBJECTRL_VENV)/bin/python -m pytest tests/test_objectrl_real.py tests/test_integrations_objectrl.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info client/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV)-3.* build *.egg-info client/*.egg-info .pytest_cache .hypothesis
