@@ -4,6 +4,7 @@
 # light `test` extra only, the fast suite and then the daemon smoke tests. A Python that is
 # not here is said and skipped; any failure fails the whole, after every Python has run.
 set -uo pipefail
+: "${PYTHONS:?}" "${FAST:?}" "${FAST_SKIP?}" "${SMOKE:?}"  # run by `make test-pythons`
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 unset PYTHONPATH  # each venv's editable install is the millpond it tests

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.daemon
 
 
 def write_files(folder):
-    import h5py
+    h5py = pytest.importorskip("h5py")  # the `datasets` extra (not in `test`)
 
     rng = np.random.default_rng(0)
     n = 300

@@ -56,6 +56,7 @@ def test_learner_access_example_runs(tmp_path, monkeypatch):
 
 
 def test_sb3_example_builds_its_model_on_a_server(server):
+    pytest.importorskip("stable_baselines3")  # the `sb3` extra (not in `test`)
     block = next(b for b in python_blocks() if "replay_buffer_class=ReplayBuffer" in b)
     scope: dict = {}
     code = textwrap.dedent(block).replace("localhost:50051", server.address)
