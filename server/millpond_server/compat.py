@@ -2,14 +2,12 @@
 
 The daemon runs on CPython 3.10 to 3.13 (README, "Platforms"). Each name here is the
 standard library's on 3.11 and newer, and a backport or a few lines on 3.10; the rest of
-the daemon imports these instead of asking which Python it runs on. Dropping 3.10 means
-importing them from the standard library again and deleting this file.
+the daemon imports these instead of asking which Python it runs on (asyncio's timeouts:
+``millpond/compat.py``, shared with the client). Dropping 3.10 means importing them from
+the standard library again and deleting this file.
 
 - ``tomllib``: ``tomli`` on 3.10 (the same parser: the standard library's is a copy of it;
   a dependency only there, ``pyproject.toml``).
-- ``timeout(delay)``: ``asyncio.timeout``; on 3.10 ``async_timeout.timeout`` (also a
-  dependency only there), whose ``asyncio.TimeoutError`` is raised as the builtin
-  ``TimeoutError``, as 3.11's is (there the two are one class).
 - ``run(main)``: runs the daemon's coroutine on uvloop where it is installed (every POSIX
   system: a dependency), else on asyncio's own loop. ``uvloop.run`` does what
   ``asyncio.Runner(loop_factory=...)`` does on 3.11 on every Python.
@@ -19,27 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator, Coroutine
-from contextlib import asynccontextmanager
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 if sys.version_info >= (3, 11):
-    from asyncio import timeout
-
     import tomllib
 else:  # pragma: no cover - exercised by `make test-pythons` on 3.10
-    import async_timeout
     import tomli as tomllib
 
-    @asynccontextmanager
-    async def timeout(delay: float | None) -> AsyncIterator[None]:
-        try:
-            async with async_timeout.timeout(delay):
-                yield
-        except asyncio.TimeoutError as exc:  # not the builtin TimeoutError before 3.11
-            raise TimeoutError() from exc
-
-__all__ = ["run", "timeout", "tomllib"]
+__all__ = ["run", "tomllib"]
 
 T = TypeVar("T")
 

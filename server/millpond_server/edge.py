@@ -35,6 +35,7 @@ from urllib.parse import unquote
 
 import grpc
 
+from millpond.compat import timeout
 from millpond.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -44,7 +45,6 @@ from millpond.errors import (
 from millpond.wire.status import ERROR_CODE_KEY, status_for
 
 from .auth import Auth
-from .compat import timeout
 
 # The role the running call authenticated as (each call runs in a task of its own).
 CALLER_ROLE: contextvars.ContextVar[str | None] = contextvars.ContextVar(

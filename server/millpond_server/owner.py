@@ -32,11 +32,11 @@ import time
 from concurrent.futures import Executor
 from typing import Any, Callable, TypeVar
 
+from millpond.compat import timeout
 from millpond.core import BufferInfo, TieredBuffer
 from millpond.core.ratelimit import WaitCounts
 from millpond.errors import RateLimitTimeoutError
 
-from .compat import timeout
 from .waits import WaitingCalls, WouldWait
 
 T = TypeVar("T")

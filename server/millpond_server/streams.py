@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from .compat import timeout
+from millpond.compat import timeout
 
 
 class CallStreams:

@@ -31,6 +31,7 @@ from typing import Any
 
 import grpc
 
+from millpond.compat import timeout_at
 from millpond.errors import DeadlineExceededError, ServerUnavailableError
 
 # Idle streams kept per method, for the next calls.
@@ -69,7 +70,7 @@ class StreamPool:
         for attempt in range(2):
             stream = self._take()
             try:
-                async with asyncio.timeout_at(end) as scope:
+                async with timeout_at(end) as scope:
                     reply = await _exchange(stream, request)
             except _Broken as broken:
                 stream.cancel()

@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from millpond.compat import cancelling
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo
 from millpond.core.schema import Schema
@@ -91,7 +92,7 @@ class AioTransport:
                 error = exc
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if self.closed and task is not None and not task.cancelling():
+                if self.closed and task is not None and not cancelling(task):
                     # gRPC cancels the calls of a channel that closes: not this task
                     raise BufferClosedError(f"the client of {self.address} was closed while "
                                             f"its {method} call was under way") from None
