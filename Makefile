@@ -11,12 +11,13 @@ FAST   := not daemon and not slow and not docker
 # (on PATH or installed by pyenv) each get a venv of their own, .venv-X.Y, with the light
 # `test` extra only (the tests of torch, SB3 and Minari skip). Each runs the fast suite, less
 # the long model-based suites of the engine (`make test` runs them), then SMOKE: daemon tests
-# of what differs between Pythons (TOML, asyncio timeouts, the event loop, exception notes)
-# and of both transports, with the fast path's needs taken away too (test_platforms.py).
+# of what differs between Pythons (TOML, asyncio timeouts and cancellation, the event loop,
+# exception notes) and of both transports and both clients (threads, asyncio), with the
+# fast path's needs taken away too (test_platforms.py).
 PYTHONS ?= 3.10 3.11 3.12 3.13
 FAST_SKIP := --ignore=tests/test_buffer_model.py --ignore=tests/test_episodes_model.py \
              --ignore=tests/test_removal_model.py
-SMOKE  := tests/test_platforms.py tests/test_client.py \
+SMOKE  := tests/test_platforms.py tests/test_client.py tests/test_aio.py \
           tests/test_shm.py::test_same_host_client_uses_shared_memory \
           tests/test_shm.py::test_server_without_shm_means_grpc_silently_or_an_error_when_required \
           tests/test_cli.py::test_toml_buffers_exist_at_start \
