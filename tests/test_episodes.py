@@ -337,3 +337,19 @@ def test_non_episodic_buffers_keep_their_memory_cost():
     episodic = millpond.ReplayBuffer(1000, obs_dim=4, act_dim=1, episodes=True,
                                      meta_fields={"task": "int64"})
     assert episodic.info()["memory_needed"] - plain.info()["memory_needed"] == 1000 * (32 + 8)
+
+
+def test_an_episode_id_reused_after_its_end_keeps_the_counts_right():
+    """An id reused after its episode ended (a writer's ids, or a hostile client's)
+    starts another episode: nothing is in progress once it ends too. (The ended one left
+    the index uncounted: in progress went negative, and a client then refused the
+    daemon's info as impossible.)"""
+    from millpond.core import BufferConfig, Schema, TieredBuffer
+
+    buf = TieredBuffer(BufferConfig(Schema.transition(2, 1), 100, 100, episodes=True))
+    for k in range(3):
+        steps = {"obs": np.zeros((5, 2), np.float32), "next_obs": np.zeros((5, 2), np.float32),
+                 "actions": np.zeros((5, 1), np.float32), "rewards": np.zeros(5, np.float32),
+                 "terminated": np.arange(5) == 4, "truncated": np.zeros(5, bool)}
+        buf.push_batch(steps, episodes=np.full(5, 7))
+        assert (buf.info().episodes, buf.info().episodes_in_progress) == (k + 1, 0)

@@ -159,7 +159,11 @@ class EpisodeIndex:
         """Records ``seqs`` continue episode ``e`` (and end it); those before ``first``
         (a batch larger than the buffer) are counted but not stored."""
         total = self.fifo.total_capacity
-        entry = self.index.pop(e, None) or self.dormant.pop(e, None)
+        entry = self.index.pop(e, None)
+        if entry is not None and entry.ended:  # the id's ended episode leaves the index
+            self.ended -= 1
+        if entry is None:
+            entry = self.dormant.pop(e, None)
         if entry is None or entry.ended:  # a new episode (an id reused after its end: another)
             entry = _Episode(int(seqs[0]), -1, -1, meta=self.waiting.pop(e, None))
         elif entry.last >= first:  # link the episode's previous record to this one
