@@ -13,7 +13,6 @@ operator's CLI. Against real daemons (the engine's snapshots: tests/test_snapsho
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import secrets
@@ -23,6 +22,7 @@ import sys
 import threading
 import urllib.request
 import zlib
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -75,24 +75,31 @@ def damage(path, kind: str) -> None:
     path.write_bytes(bytes(raw))
 
 
-def no_file_override():
-    """A ``preexec_fn`` under which a daemon run by root obeys file modes (it drops
-    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from its capability bounding set before exec);
-    None if not root. Skips the test where capabilities cannot be dropped."""
+DROP_AND_SERVE = """\
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+    if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+os.execv(sys.executable, [sys.executable, "-m", "millpond_server", *sys.argv[1:]])
+"""
+
+
+def no_file_override(tmp_path: Path) -> Path | None:
+    """A daemon ``script`` under which a daemon run by root obeys file modes: it drops
+    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from its capability bounding set, then execs
+    the daemon (in a process of its own: a ``preexec_fn`` in this threaded test process
+    could deadlock or abort the child). None if not root; skips the test where
+    capabilities cannot be dropped."""
     if os.geteuid() != 0:
         return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    probe = subprocess.run([sys.executable, "-c", "pass"], preexec_fn=lambda: _drop(libc),
+    script = tmp_path / "drop_and_serve.py"
+    script.write_text(DROP_AND_SERVE)
+    probe = subprocess.run([sys.executable, os.fspath(script), "--help"],
                            capture_output=True)
     if probe.returncode != 0:
         pytest.skip("cannot drop CAP_DAC_OVERRIDE here: root would read a file of mode 000")
-    return lambda: _drop(libc)
-
-
-def _drop(libc) -> None:
-    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+    return script
 
 
 def logged(server: ServerProcess) -> str:
@@ -123,9 +130,9 @@ def test_a_bad_buffer_file_no_longer_stops_the_daemon(tmp_path, kind):
     make(data, "bad", "good")
     damage(data / "bad.buffer", kind)
     state = KINDS[kind]
-    preexec = no_file_override() if kind == "unreadable" else None
+    script = no_file_override(tmp_path) if kind == "unreadable" else None
     server = ServerProcess(data, "--metrics-port", "0", "--log-level", "info",
-                           log_file=tmp_path / "log", preexec_fn=preexec).start()
+                           log_file=tmp_path / "log", script=script).start()
     try:
         client = millpond.connect(server.address)
         good = client.buffer("good")  # every healthy buffer is served
@@ -217,7 +224,7 @@ def test_an_unreadable_file_made_readable_is_repaired_without_loss(tmp_path):
     data = tmp_path / "data"
     make(data, "locked")
     damage(data / "locked.buffer", "unreadable")
-    with ServerProcess(data, preexec_fn=no_file_override()) as server:
+    with ServerProcess(data, script=no_file_override(tmp_path)) as server:
         client = millpond.connect(server.address)
         assert client.info("locked").state == "unreadable"
         with pytest.raises(millpond.BufferDamagedError, match="Permission denied"):
