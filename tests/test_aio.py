@@ -589,6 +589,38 @@ def test_tokens_and_roles_are_checked_on_streams_and_unary_calls(tmp_path):
         run(main())
 
 
+@pytest.mark.daemon
+def test_calls_refused_on_their_headers_say_why_however_many_race(tmp_path):
+    """A stream the daemon refuses as the request is written hides the daemon's status
+    behind a local INTERNAL error of gRPC (grpc/grpc#36066): every refused push still
+    raises PermissionDeniedError, never InternalError, and none is stored."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("learner learner-token-0123456789\n")
+    tokens.chmod(0o600)
+    with ServerProcess(tmp_path / "data", "--token-file", str(tokens),
+                       env={"MILLPOND_TOKEN": "admin-token-0123456789"}) as server:
+        async def main():
+            async with aio.connect(server.address, token="admin-token-0123456789", shm=False) as admin:
+                buf = await admin.create_buffer("auth", capacity=100, fields=FIELDS)
+                async with aio.connect(server.address, token="learner-token-0123456789",
+                                       shm=False) as learner:
+                    mine = await learner.buffer("auth")
+
+                    async def refused() -> str:
+                        try:
+                            await mine.push_batch(**records(0, 2))
+                        except millpond.ReplayError as exc:
+                            return type(exc).__name__
+                        return "stored"
+
+                    for _ in range(10):  # about one in ten raced before the fix
+                        outcomes = await asyncio.gather(*(refused() for _ in range(20)))
+                        assert set(outcomes) == {"PermissionDeniedError"}
+                assert (await buf.info())["pushed"] == 0
+
+        run(main())
+
+
 # ---- what the daemon refuses before it draws, and buffers it holds out of service ------------
 
 

@@ -18,6 +18,10 @@ there; here any number of tasks share one event loop, so streams are pooled:
   typed exception. A stream that had ended before the daemon read the request (left
   idle for ``--stream-idle-s``, or the daemon stopping between two messages) is
   replaced and the request sent again on the new one, once: nothing had been done.
+  A stream the daemon ended while the request was being written (it refused the call on
+  its headers) reports only a local INTERNAL error in place of the daemon's status
+  (grpc/grpc#36066): :class:`Unsent` then, and the caller sends the request as a unary
+  call, whose status is the daemon's own.
 
 At most :data:`MAX_IDLE` idle streams are kept per method (an open stream holds one of
 the daemon's call slots); the daemon ends those left idle, and the next call that takes
@@ -50,6 +54,11 @@ class _Broken(Exception):
         self.error = error
 
 
+class Unsent(Exception):
+    """The stream ended as the request was written: the daemon did not read it, and gRPC
+    hides why. The request may go again as a unary call."""
+
+
 class StreamPool:
     """Open streams of one stream-stream method, each carrying one call at a time."""
 
@@ -64,7 +73,8 @@ class StreamPool:
         """The reply to ``request`` on an idle stream of this pool (or a new one), within
         ``timeout`` seconds. Raises grpc.RpcError if the call ended with an error,
         DeadlineExceededError after ``timeout`` (the stream is cancelled then),
-        ServerUnavailableError if the daemon ended two streams before reading it."""
+        ServerUnavailableError if the daemon ended two streams before reading it, Unsent
+        if the write of ``request`` failed."""
         loop = asyncio.get_running_loop()
         end = loop.time() + max(0.0, timeout)
         for attempt in range(2):
@@ -132,6 +142,8 @@ async def _exchange(stream: grpc.aio.StreamStreamCall, request: bytes) -> Any:
     except asyncio.InvalidStateError:  # it ended meanwhile
         raise _Broken(await _ending(stream)) from None
     except grpc.RpcError as error:  # it had ended with an error: it read nothing more
+        if error.code() == grpc.StatusCode.INTERNAL:  # gRPC's own, for a failed write
+            raise Unsent() from error
         raise _Broken(error) from None
     reply = await stream.read()
     if reply is grpc.aio.EOF:  # ended (OK) between two messages: ours was not read

@@ -40,7 +40,7 @@ from millpond.core.schema import Schema
 from millpond.core.sequences import n_step_specs, read_specs, sequence_specs
 from millpond.errors import BufferClosedError, DeadlineExceededError, ServerStartingError
 from millpond.remote import grpc_calls, replies
-from millpond.remote.aio_streams import StreamPool
+from millpond.remote.aio_streams import StreamPool, Unsent
 from millpond.remote.grpc_transport import _RETRY_FIRST, _RETRY_MAX, STREAMED_MAX_BYTES
 from millpond.v1 import replay_pb2 as pb
 from millpond.wire.codec import config_to_proto, info_from_proto
@@ -108,7 +108,12 @@ class AioTransport:
     async def _send(self, method: str, request: bytes, timeout: float, small: bool) -> bytes:
         pool = self._streams.get(method) if small else None
         if pool is not None:
-            return await pool.call(request, timeout)
+            loop = asyncio.get_running_loop()
+            end = loop.time() + timeout
+            try:
+                return await pool.call(request, timeout)
+            except Unsent:  # refused on its headers, perhaps: the unary call says why
+                timeout = max(0.0, end - loop.time())
         return await self._unary[method](request, timeout=timeout, wait_for_ready=True,
                                          metadata=self.metadata)
 
