@@ -29,7 +29,8 @@ SMOKE  := tests/test_platforms.py tests/test_client.py tests/test_aio.py \
           tests/test_ratelimit_server.py::test_waiting_samples_block_neither_other_buffers_nor_the_server \
           tests/test_ratelimit_server.py::test_sigterm_while_calls_wait_stops_the_server_cleanly
 
-.PHONY: venv run test test-fast test-pythons lint bench examples proto docker clean test-objectrl
+.PHONY: venv run test test-fast test-pythons lint bench examples proto docker clean test-objectrl \
+        dist test-wheel
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +60,13 @@ test-fast: $(STAMP)  ## engine and in-process tests only, in well under a minute
 test-pythons:  ## the fast suite and daemon smoke tests on each CPython of PYTHONS found here
 	PYTHONS="$(PYTHONS)" FAST="$(FAST)" FAST_SKIP="$(FAST_SKIP)" SMOKE="$(SMOKE)" ARGS="$(ARGS)" \
 	    bash tests/pythons.sh
+
+dist: $(STAMP)  ## an sdist and a wheel in dist/ (the wheel built from the sdist, in an isolated env)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+
+test-wheel: dist  ## install the wheel into a fresh venv elsewhere; serve, push and sample from there
+	$(PY) tests/wheel_smoke.py dist
 
 lint: $(STAMP)  ## ruff and mypy (configured in pyproject.toml)
 	$(VENV)/bin/ruff check client server tests bench examples
@@ -94,4 +102,4 @@ test-objectrl: $(OBJECTRL_STAMP)  ## the objectrl adapter against the real objec
 	$(OBJECTRL_VENV)/bin/python -m pytest tests/test_objectrl_real.py tests/test_integrations_objectrl.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VENV)-3.* build *.egg-info client/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV)-3.* build dist *.egg-info client/*.egg-info .pytest_cache .hypothesis

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__  # the one place it is written
 
 # Public name -> the module that defines it.
 _EXPORTS = {

@@ -18,6 +18,8 @@ from typing import Any, Sequence
 
 import grpc
 
+from millpond._version import __version__
+
 from .config import ConfigError, add_serve_arguments, resolve_serve_config
 from .logs import setup_logging
 from .operator_cli import COMMANDS as OPERATOR_COMMANDS
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="millpond", description="millpond experience-replay server"
     )
+    parser.add_argument("--version", action="version", version=f"millpond {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser("serve", help="run the replay daemon",
                            description="Run the replay daemon. Every flag can also be set "

@@ -468,13 +468,10 @@ class BufferFile:
 
 
 def _version() -> str:
-    """This millpond's version (the engine does not import the package's top level)."""
-    from importlib.metadata import PackageNotFoundError, version
+    """This millpond's version (installed or not: millpond/_version.py)."""
+    from .._version import __version__
 
-    try:
-        return version("millpond")
-    except PackageNotFoundError:
-        return "(version unknown)"
+    return __version__
 
 
 def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema, int]:
