@@ -79,17 +79,19 @@ class Connection:
 
     ``shm``: "auto" uses the fast path when the server offers it and this
     process can reach it; True requires it (SharedMemoryError if it cannot be
-    had, with the reason); False never uses it.
+    had, with the reason); False never uses it. ``wait_for_server``: see
+    :func:`millpond.connect` (the fast path is negotiated at once, so an unreachable
+    server is found, waited for or refused, when the connection is made).
     """
 
     def __init__(self, address: str, options: list[tuple[str, Any]], shm: bool | str,
                  timeout: float, max_message_bytes: int,
-                 credentials: Credentials | None = None):
+                 credentials: Credentials | None = None, wait_for_server: bool = True):
         tune_malloc_for_large_messages()
         self.credentials = credentials = credentials or Credentials()
         self.channel = credentials.channel(address, options)  # TLS when configured
         self.grpc = GrpcTransport(self.channel, max_message_bytes, credentials.metadata(),
-                                  address)
+                                  address, wait_for_server)
         self._timeout = timeout
         self._lock = threading.Lock()
         self.calls: Counter[tuple[str, str]] = Counter()  # (transport, op) -> calls made
