@@ -42,6 +42,7 @@ from millpond.handle.backend import Backend
 from millpond.handle.buffer import Buffer, handle_for
 from millpond.remote.buffer import RemoteBuffer
 from millpond.remote.connection import Connection
+from millpond.remote.grpc_calls import Episodes
 from millpond.remote.security import Credentials
 
 DEFAULT_TIMEOUT = 60.0
@@ -142,6 +143,7 @@ class Client(BufferClient):
             raise InvalidConfigError(f"wait_for_server must be True or False, got "
                                      f"{wait_for_server!r}")
         self.wait_for_server = wait_for_server
+        self._unreachable = Episodes()  # told of, across this client's connections
         if shm not in (True, False, "auto"):
             raise InvalidConfigError(f"shm must be True, False or 'auto', got {shm!r}")
         if not isinstance(push_batch_size, int) or push_batch_size < 1:
@@ -182,7 +184,8 @@ class Client(BufferClient):
                         _INHERITED.append(self._connection)
                     self._connection = Connection(self.address, self._options(), self.shm,
                                                   self.timeout, self.max_message_bytes,
-                                                  self.credentials, self.wait_for_server)
+                                                  self.credentials, self.wait_for_server,
+                                                  self._unreachable)
                     self._pid = os.getpid()
         assert self._connection is not None
         return self._connection

@@ -73,7 +73,7 @@ class AioTransport:
         self.channel = channel
         self.wait_for_server = wait_for_server
         self._reached = False  # as GrpcTransport's
-        self._told = False
+        self._episodes = grpc_calls.Episodes()
         self.max_message_bytes = max_message_bytes
         self.metadata = (*(metadata or ()), (MAX_RECEIVE_KEY, str(max_message_bytes)))
         self.address = address  # named in the errors of replies that do not check
@@ -134,42 +134,30 @@ class AioTransport:
 
     async def _reach(self, end: float) -> None:
         """As :meth:`GrpcTransport._reach
-        <millpond.remote.grpc_transport.GrpcTransport._reach>`: return once the channel is
-        connected; else tell (once per episode) or, failing fast, raise
+        <millpond.remote.grpc_transport.GrpcTransport._reach>`: return once a health
+        check reaches the server; else tell (once per episode) or, failing fast, raise
         ServerUnavailableError."""
         loop = asyncio.get_running_loop()
-        ready, failed = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE
         fail_fast = not self.wait_for_server
         patience = grpc_calls.FAIL_FAST_S if fail_fast else grpc_calls.NOTICE_S
-        until = min(end, loop.time() + patience)
-        state = self.channel.get_state(try_to_connect=True)
-        while state != ready and not (fail_fast and state == failed):
-            left = until - loop.time()
-            if left <= 0:
-                break
-            try:
-                await asyncio.wait_for(self.channel.wait_for_state_change(state), left)
-            except asyncio.TimeoutError:
-                break
-            state = self.channel.get_state(try_to_connect=True)
-        if state == ready:
-            self._reached, self._told = True, False
-            return
-        cause = grpc_calls.probe_cause(await self._probe())
-        if cause is None:  # answered after all
-            self._reached, self._told = True, False
+        patience = max(0.0, min(patience, end - loop.time()))
+        cause = grpc_calls.probe_cause(await self._probe(patience, wait=not fail_fast))
+        if cause is not None and not fail_fast:  # what the channel saw, said plainly
+            cause = grpc_calls.probe_cause(await self._probe(0.2, wait=False)) or cause
+        if cause is None:  # answered
+            self._reached, self._episodes.told = True, False
         elif fail_fast:
             raise grpc_calls.unavailable(self.address or "?", cause)
-        elif not self._told:
-            self._told = True
+        elif not self._episodes.told:
+            self._episodes.told = True
             grpc_calls.waiting_notice(self.address or "?", cause, end - loop.time())
 
-    async def _probe(self) -> grpc.RpcError | None:
-        """A health check made without waiting for the channel: its error, or None."""
+    async def _probe(self, timeout: float = 0.2, wait: bool = False) -> grpc.RpcError | None:
+        """A health check, as the sync transport's: its error, or None if answered."""
         probe = self.channel.unary_unary("/grpc.health.v1.Health/Check",
                                          request_serializer=None, response_deserializer=None)
         try:
-            await probe(b"", timeout=0.2, metadata=self.metadata)
+            await probe(b"", timeout=timeout, metadata=self.metadata, wait_for_ready=wait)
         except grpc.RpcError as exc:
             return exc
         return None

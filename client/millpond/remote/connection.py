@@ -27,6 +27,7 @@ from millpond.errors import (
     ServerUnavailableError,
     SharedMemoryError,
 )
+from millpond.remote.grpc_calls import Episodes
 from millpond.remote.grpc_transport import GrpcTransport
 from millpond.remote.malloc import tune_malloc_for_large_messages
 from millpond.remote.security import Credentials
@@ -86,12 +87,13 @@ class Connection:
 
     def __init__(self, address: str, options: list[tuple[str, Any]], shm: bool | str,
                  timeout: float, max_message_bytes: int,
-                 credentials: Credentials | None = None, wait_for_server: bool = True):
+                 credentials: Credentials | None = None, wait_for_server: bool = True,
+                 episodes: Episodes | None = None):
         tune_malloc_for_large_messages()
         self.credentials = credentials = credentials or Credentials()
         self.channel = credentials.channel(address, options)  # TLS when configured
         self.grpc = GrpcTransport(self.channel, max_message_bytes, credentials.metadata(),
-                                  address, wait_for_server)
+                                  address, wait_for_server, episodes)
         self._timeout = timeout
         self._lock = threading.Lock()
         self.calls: Counter[tuple[str, str]] = Counter()  # (transport, op) -> calls made

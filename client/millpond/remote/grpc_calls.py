@@ -160,9 +160,17 @@ def unreachable_cause(details: str) -> str:
     return f"{what} [{details}]" if details else what
 
 
+class Episodes:
+    """Whether a client told of the current episode of its server's unreachability (one
+    per client: its connections come and go, a connection that failed to open included)."""
+
+    def __init__(self) -> None:
+        self.told = False
+
+
 def waiting_notice(address: str, cause: str, left: float) -> None:
-    """Log, once per episode of unreachability (the caller keeps count), what a call that
-    waits for the server at ``address`` waits for."""
+    """Log what a call that waits for the server at ``address`` waits for (once per
+    episode of unreachability: :class:`Episodes`)."""
     log.warning("the server at %s is not reachable: %s; calls wait for it up to their "
                 "deadline (%.0f s left); connect(wait_for_server=False) fails fast instead",
                 address, cause, left)

@@ -39,7 +39,6 @@ check reads the data.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from typing import Any, Callable
 
@@ -87,12 +86,12 @@ class GrpcTransport:
 
     def __init__(self, channel: grpc.Channel, max_message_bytes: int,
                  metadata: tuple[tuple[str, str], ...] | None = None, address: str = "",
-                 wait_for_server: bool = True):
+                 wait_for_server: bool = True, episodes: grpc_calls.Episodes | None = None):
         self.wait_for_server = wait_for_server
         # Whether the channel was seen connected since a call last failed to reach the
         # server (then calls skip the check), and whether this episode was told of.
         self._reached = False
-        self._told = False
+        self._episodes = episodes or grpc_calls.Episodes()
         self.max_message_bytes = max_message_bytes
         self.metadata = (*(metadata or ()), (MAX_RECEIVE_KEY, str(max_message_bytes)))
         self.address = address  # named in the errors of replies that do not check
@@ -164,49 +163,34 @@ class GrpcTransport:
         self._streams.close()
 
     def _reach(self, end: float) -> None:
-        """Before a call: return once the channel is connected; if it is not within
-        NOTICE_S, log what the call will wait for (once per episode), or, with
+        """Before a call: return once a health check reaches the server; if none does
+        within NOTICE_S, log what the call will wait for (once per episode), or, with
         ``wait_for_server=False``, raise ServerUnavailableError saying why (within
-        FAIL_FAST_S; at once when the channel failed to connect)."""
-        ready, failed = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE
-        seen: list[grpc.ChannelConnectivity] = []
-        changed = threading.Condition()
-
-        def heard(state: grpc.ChannelConnectivity) -> None:
-            with changed:
-                seen.append(state)
-                changed.notify_all()
-
+        FAIL_FAST_S; at once when the channel fails to connect). Health checks, not the
+        channel's connectivity callbacks: those run a polling thread that can hang a
+        process at exit."""
         fail_fast = not self.wait_for_server
         patience = grpc_calls.FAIL_FAST_S if fail_fast else grpc_calls.NOTICE_S
-        self.channel.subscribe(heard, try_to_connect=True)
-        try:
-            with changed:
-                changed.wait_for(lambda: bool(seen) and (
-                    seen[-1] == ready or (fail_fast and failed in seen)),
-                    max(0.0, min(patience, end - time.monotonic())))
-                connected = bool(seen) and seen[-1] == ready
-        finally:
-            self.channel.unsubscribe(heard)
-        if connected:
-            self._reached, self._told = True, False
-            return
-        cause = grpc_calls.probe_cause(self._probe())
-        if cause is None:  # answered after all
-            self._reached, self._told = True, False
+        patience = max(0.0, min(patience, end - time.monotonic()))
+        cause = grpc_calls.probe_cause(self._probe(patience, wait=not fail_fast))
+        if cause is not None and not fail_fast:  # what the channel saw, said plainly
+            cause = grpc_calls.probe_cause(self._probe(0.2, wait=False)) or cause
+        if cause is None:  # answered
+            self._reached, self._episodes.told = True, False
         elif fail_fast:
             raise grpc_calls.unavailable(self.address or "?", cause)
-        elif not self._told:
-            self._told = True
+        elif not self._episodes.told:
+            self._episodes.told = True
             grpc_calls.waiting_notice(self.address or "?", cause, end - time.monotonic())
 
-    def _probe(self) -> grpc.RpcError | None:
-        """A health check made without waiting for the channel: its error, or None if
-        the server answered it (as anything but UNAVAILABLE, say UNIMPLEMENTED)."""
+    def _probe(self, timeout: float = 0.2, wait: bool = False) -> grpc.RpcError | None:
+        """A health check (``wait``: waiting for the channel to connect, within
+        ``timeout``): its error, or None if the server answered it (as anything but
+        UNAVAILABLE or DEADLINE_EXCEEDED, say UNIMPLEMENTED or UNAUTHENTICATED)."""
         probe = self.channel.unary_unary("/grpc.health.v1.Health/Check",
                                          request_serializer=None, response_deserializer=None)
         try:
-            probe(b"", timeout=0.2, metadata=self.metadata)
+            probe(b"", timeout=timeout, metadata=self.metadata, wait_for_ready=wait)
         except grpc.RpcError as exc:
             return exc
         return None
