@@ -25,7 +25,6 @@ from support import ServerProcess, wait_until
 from test_contract import transitions
 
 import millpond
-import millpond.aio as aio
 from millpond.core.dataset import ReadOnlyBuffer, dataset_columns
 from millpond.handle.buffer import handle_for
 
@@ -381,8 +380,9 @@ def test_an_in_process_dataset_refuses_writes_before_checking_fields():
     dataset = ReadOnlyBuffer(dataset_columns(**dataset_arrays()))
     buf = handle_for(dataset)  # a plain handle over it
     for what, write in ordinary_writes(buf).items():
-        with pytest.raises(millpond.ReadOnlyBufferError):
+        with pytest.raises(millpond.ReadOnlyBufferError, match="read-only"):
             write()
+        assert len(buf) == 40, what
     assert buf.info()["read_only"] and len(buf) == 40
     assert not millpond.ReplayBuffer(4, 2, 1).info()["read_only"]
 
