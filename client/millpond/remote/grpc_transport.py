@@ -174,7 +174,7 @@ class GrpcTransport:
         patience = max(0.0, min(patience, end - time.monotonic()))
         cause = grpc_calls.probe_cause(self._probe(patience, wait=not fail_fast))
         if cause is not None and not fail_fast:  # what the channel saw, said plainly
-            cause = grpc_calls.probe_cause(self._probe(0.2, wait=False)) or cause
+            cause = grpc_calls.probe_cause(self._probe(0.2, wait=False))
         if cause is None:  # answered
             self._reached, self._episodes.told = True, False
         elif fail_fast:
