@@ -95,7 +95,7 @@ def connect(
     ``wait_for_server``: True (default) lets a call wait, within its deadline,
     for a server that is not reachable yet (a daemon still starting, or
     restarting); within about a second of not reaching it the client logs one
-    WARNING on the ``millpond`` logger naming the address and what the channel
+    WARNING (logger ``millpond.client``) naming the address and what the channel
     sees (connection refused, a name that does not resolve, a failed TLS
     handshake), once per episode of unreachability. False fails fast: a call
     that cannot reach the server within about 2 s raises

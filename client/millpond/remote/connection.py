@@ -101,7 +101,12 @@ class Connection:
         self.shm_reason = "disabled by the client (shm=False)"
         self._want_shm = shm
         if shm is not False:
-            self.shm, self.shm_reason = self._negotiate()
+            try:
+                self.shm, self.shm_reason = self._negotiate()
+            except BaseException:  # (an unreachable server, say): no channel left behind
+                self.grpc.close()
+                self.channel.close()
+                raise
             if shm is True and self.shm is None:
                 self.channel.close()
                 raise SharedMemoryError(f"shared memory was required but {self.shm_reason}")
