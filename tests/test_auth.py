@@ -71,6 +71,9 @@ def auth_server(tmp_path_factory):
         yield proc
 
 
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
 class StatusRecorder(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
     """Records the gRPC status of every call made through its channel: of a call sent
     as a message on a stream (PushBatch, Sample), OK per reply, or the status that
@@ -81,7 +84,8 @@ class StatusRecorder(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientIn
 
     def intercept_unary_unary(self, continuation, details, request):
         outcome = continuation(details, request)
-        self.codes.append(outcome.code())
+        if details.method != HEALTH_CHECK:  # (a client checks the server is reachable first)
+            self.codes.append(outcome.code())
         return outcome
 
     def intercept_stream_stream(self, continuation, details, request_iterator):
@@ -226,7 +230,7 @@ def test_the_classes_and_connect_take_the_token(auth_server, monkeypatch):
     address = auth_server.address
     monkeypatch.delenv("MILLPOND_TOKEN", raising=False)
     owner = millpond.MmapReplayBuffer(8, 16, obs_dim=2, act_dim=1, address=address, name="cls",
-                                      token=TOKENS["admin"])
+                                      token=TOKENS["admin"], create=True)  # (else: on a write)
     actor = millpond.MmapReplayBuffer(8, 16, obs_dim=2, act_dim=1, address=address, name="cls",
                                       token=TOKENS["actor"])
     actor.push(np.zeros(2), np.zeros(1), 1.0, False, False, np.ones(2))
@@ -235,12 +239,20 @@ def test_the_classes_and_connect_take_the_token(auth_server, monkeypatch):
         actor.sample(1)
     with pytest.raises(millpond.PermissionDeniedError):  # only admin creates
         millpond.ReplayBuffer(8, obs_dim=2, act_dim=1, address=address, name="cls-new",
-                              token=TOKENS["learner"])
+                              token=TOKENS["learner"], create=True)
+    missing = millpond.ReplayBuffer(8, obs_dim=2, act_dim=1, address=address, name="cls-new",
+                                    token=TOKENS["learner"])  # create=None: on a write
+    with pytest.raises(millpond.BufferNotFoundError):  # a read never creates
+        missing.sample(1)
+    with pytest.raises(millpond.PermissionDeniedError):  # its first write would
+        missing.push_batch(np.zeros((1, 2)), np.ones((1, 2)), np.zeros((1, 1)), np.ones(1),
+                           np.zeros(1), np.zeros(1))
+    missing.release()
     with pytest.raises(millpond.AuthenticationError):  # no token at all
         millpond.ReplayBuffer(8, obs_dim=2, act_dim=1, address=address, name="cls")
     monkeypatch.setenv("MILLPOND_TOKEN", TOKENS["learner"])  # the default
     prio = millpond.PrioritizedReplayBuffer(8, obs_dim=2, act_dim=1, address=address,
-                                            name="cls-prio", token=TOKENS["admin"])
+                                            name="cls-prio", token=TOKENS["admin"], create=True)
     learner = millpond.PrioritizedReplayBuffer(8, obs_dim=2, act_dim=1, address=address,
                                                name="cls-prio")
     prio.push(np.zeros(2), np.zeros(1), 1.0, False, False, np.ones(2))

@@ -308,7 +308,8 @@ def test_a_reopened_buffer_restarts_its_limiter_mid_band(tmp_path):
     assert again.config.rate_limiter == limiter and again.info()["inserts"] == 0
     # The diff restarts at 10, the middle of [4, 16], so both sides may move:
     again.push_batch(ids(8, 3), timeout=0)  # 10 + 6 = 16 (from 11 or more it would wait)
-    again.sample(12, timeout=0)  # 16 - 12 = 4
+    again.sample(6, timeout=0)  # (a sample of 12 would need 12 records held)
+    again.sample(6, timeout=0)  # 16 - 12 = 4
     with pytest.raises(RateLimitTimeoutError):
         again.sample(1, timeout=0)
     again.close()

@@ -24,6 +24,7 @@ from millpond.client import (
     DEFAULT_PUSH_MAX_DELAY,
     DEFAULT_TIMEOUT,
     Client,
+    check_create,
 )
 from millpond.core import BufferConfig, Schema, TieredBuffer
 from millpond.core.ratelimit import RateLimiter
@@ -47,6 +48,7 @@ def connect(
     tls_ca: str | os.PathLike | None = None,
     tls_cert: str | os.PathLike | None = None,
     tls_key: str | os.PathLike | None = None,
+    wait_for_server: bool = True,
 ) -> "Client | ShardedClient":
     """A client for the server at ``address`` ("host:port"). Connects lazily.
 
@@ -89,11 +91,21 @@ def connect(
     :mod:`millpond.remote.security`). A missing or wrong token raises
     AuthenticationError; a token whose role may not do a call,
     PermissionDeniedError.
+
+    ``wait_for_server``: True (default) lets a call wait, within its deadline,
+    for a server that is not reachable yet (a daemon still starting, or
+    restarting); within about a second of not reaching it the client logs one
+    WARNING (logger ``millpond.client``) naming the address and what the channel
+    sees (connection refused, a name that does not resolve, a failed TLS
+    handshake), once per episode of unreachability. False fails fast: a call
+    that cannot reach the server within about 2 s raises
+    ServerUnavailableError naming the address and the cause (a server that is
+    reached but still recovering its buffers is waited for either way).
     """
     settings: dict[str, Any] = dict(
         timeout=timeout, max_message_mb=max_message_mb, shm=shm, push_batch_size=push_batch_size,
         push_max_delay=push_max_delay, max_in_flight=max_in_flight, token=token, tls=tls,
-        tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+        tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, wait_for_server=wait_for_server)
     if not isinstance(address, str) or address.startswith("dns:///"):
         return ShardedClient(address, **settings)
     return Client(address, **settings)
@@ -102,19 +114,24 @@ def connect(
 
 def _backend(config: BufferConfig, address: str | Sequence[str] | None, name: str | None,
              path: str | os.PathLike | None = None, persistent: bool = False,
-             token: str | None = None, max_in_flight: int = 1) -> Backend:
+             token: str | None = None, max_in_flight: int = 1, create: bool | None = None,
+             wait_for_server: bool = True) -> Backend:
     """The engine in-process, or the server's buffer ``name`` at ``address``
     (server buffers are always persistent, in the server's data directory).
-    ``token`` (default ``MILLPOND_TOKEN``), ``max_in_flight`` and the
-    ``MILLPOND_TLS_*`` variables are those of :func:`millpond.connect` (in-process,
-    every push is stored before it returns, whatever ``max_in_flight`` says)."""
+    ``token`` (default ``MILLPOND_TOKEN``), ``max_in_flight``, ``wait_for_server`` and
+    the ``MILLPOND_TLS_*`` variables are those of :func:`millpond.connect` (in-process,
+    every push is stored before it returns, whatever ``max_in_flight`` says);
+    ``create``: see :class:`ReplayBuffer` (in-process, the buffer is always new)."""
+    check_create(create)
     if address is None:
         if token is not None:
             raise InvalidConfigError("token= is for a server's buffer (with address=)")
         return TieredBuffer(config, path, persistent=persistent)
     if not name:
         raise InvalidConfigError("a remote buffer needs name= as well as address=")
-    return connect(address, token=token, max_in_flight=max_in_flight).remote_buffer(name, config)
+    client = connect(address, token=token, max_in_flight=max_in_flight,
+                     wait_for_server=wait_for_server)
+    return client.remote_buffer(name, config, create=create)
 
 
 class ReplayBuffer(Buffer):
@@ -126,6 +143,24 @@ class ReplayBuffer(Buffer):
     ``token=`` (default ``MILLPOND_TOKEN``) authenticates to it, TLS comes
     from ``MILLPOND_TLS_*``, and ``max_in_flight=N`` lets N pushes be sent
     before the first is acknowledged (see :func:`millpond.connect`).
+
+    On a server, creating and attaching (all buffer classes take these):
+
+    * ``create=None`` (default): attach to the buffer ``name`` if it exists
+      (ConfigMismatchError if its config differs); else the handle creates it
+      on its first write (``push``, ``push_batch``, episode writes). A read
+      first (``sample``, ``len``, ``info``, ...) attaches if the buffer exists
+      by then, else raises BufferNotFoundError naming the server's buffers of
+      close names: a learner's mistyped ``name`` fails at its first sample
+      instead of creating an empty buffer it would wait on forever.
+    * ``create=True``: create it now (or attach to an equal one): for a
+      learner that starts before its actors.
+    * ``create=False``: attach only; BufferNotFoundError now if it is missing.
+
+    The handle that created the buffer deletes it on ``close()`` (see
+    :meth:`millpond.Client.create_buffer`). ``wait_for_server=False`` fails fast
+    (ServerUnavailableError) when the server cannot be reached, instead of
+    waiting for it within each call's deadline (see :func:`millpond.connect`).
 
     How it is sampled (all buffer classes take these):
 
@@ -172,6 +207,8 @@ class ReplayBuffer(Buffer):
         frame_stack: Mapping[str, int] | None = None,
         next_of: Mapping[str, str] | None = None,
         frame_capacity: int | None = None,
+        create: bool | None = None,
+        wait_for_server: bool = True,
     ):
         config = BufferConfig.build(
             capacity=capacity, obs_dim=obs_dim, act_dim=act_dim, fields=fields, mode=mode,
@@ -179,7 +216,8 @@ class ReplayBuffer(Buffer):
             meta_fields=meta_fields,
             frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity)
         super().__init__(_backend(config, address, name, token=token,
-                                  max_in_flight=max_in_flight))
+                                  max_in_flight=max_in_flight, create=create,
+                                  wait_for_server=wait_for_server))
 
 
 class MmapReplayBuffer(Buffer):
@@ -189,7 +227,8 @@ class MmapReplayBuffer(Buffer):
     ``cold_path`` names the buffer's file (default: a temp file), which holds
     the cold tier (and the hot one too if ``persistent``); ``close()``
     deletes it. With ``address=`` and ``name=``, the buffer lives on a
-    millpond server, which places its file in its data directory.
+    millpond server, which places its file in its data directory (``create=`` and
+    ``wait_for_server=``: see :class:`ReplayBuffer`).
     """
 
     def __init__(
@@ -214,6 +253,8 @@ class MmapReplayBuffer(Buffer):
         frame_stack: Mapping[str, int] | None = None,
         next_of: Mapping[str, str] | None = None,
         frame_capacity: int | None = None,
+        create: bool | None = None,
+        wait_for_server: bool = True,
     ):
         config = BufferConfig.build(
             hot_capacity=hot_capacity, total_capacity=total_capacity, obs_dim=obs_dim,
@@ -221,7 +262,7 @@ class MmapReplayBuffer(Buffer):
             rate_limiter=rate_limiter, episodes=episodes, meta_fields=meta_fields,
             frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity)
         super().__init__(_backend(config, address, name, cold_path, persistent, token,
-                                  max_in_flight))
+                                  max_in_flight, create, wait_for_server))
 
     @classmethod
     def open(
@@ -268,7 +309,8 @@ class PrioritizedReplayBuffer(PrioritizedBuffer):
     ``update_priorities(indices, priorities)`` ignores records evicted since
     they were sampled; ``set_beta(b)`` anneals the importance weights.
     ``max_times_sampled`` and ``rate_limiter`` work as for :class:`ReplayBuffer`. With
-    ``address=`` and ``name=`` the buffer lives on a millpond server.
+    ``address=`` and ``name=`` the buffer lives on a millpond server (``create=`` and
+    ``wait_for_server=``: see :class:`ReplayBuffer`).
     """
 
     def __init__(
@@ -294,6 +336,8 @@ class PrioritizedReplayBuffer(PrioritizedBuffer):
         frame_stack: Mapping[str, int] | None = None,
         next_of: Mapping[str, str] | None = None,
         frame_capacity: int | None = None,
+        create: bool | None = None,
+        wait_for_server: bool = True,
     ):
         config = BufferConfig.build(
             capacity=capacity, hot_capacity=hot_capacity, total_capacity=total_capacity,
@@ -302,4 +346,5 @@ class PrioritizedReplayBuffer(PrioritizedBuffer):
             episodes=episodes, meta_fields=meta_fields,
             frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity)
         super().__init__(_backend(config, address, name, cold_path, token=token,
-                                  max_in_flight=max_in_flight))
+                                  max_in_flight=max_in_flight, create=create,
+                                  wait_for_server=wait_for_server))

@@ -6,7 +6,10 @@
     batch = buf.sample(256)
 
 Every call carries a deadline (``timeout`` seconds) and waits, within it, for
-a server that is not up yet or still recovering its buffers. Keepalive pings
+a server that is not up yet or still recovering its buffers: after about a
+second of not reaching it, the client logs one warning (logger ``millpond.client``)
+naming the address and the cause; ``connect(wait_for_server=False)`` raises
+ServerUnavailableError instead, within about 2 s. Keepalive pings
 every few seconds notice a dead server or a dead network path within
 ``keepalive_time + keepalive_timeout`` instead of the TCP default of minutes.
 
@@ -21,6 +24,7 @@ keep pickled clients out of places other users can read.
 
 from __future__ import annotations
 
+import difflib
 import os
 import threading
 from collections import Counter
@@ -33,11 +37,12 @@ from millpond.core.info import BufferInfo
 from millpond.core.ratelimit import RateLimiter
 from millpond.core.schema import Schema
 from millpond.core.snapshot import CheckpointResult
-from millpond.errors import InvalidConfigError
+from millpond.errors import BufferNotFoundError, InvalidConfigError, ReplayError
 from millpond.handle.backend import Backend
 from millpond.handle.buffer import Buffer, handle_for
 from millpond.remote.buffer import RemoteBuffer
 from millpond.remote.connection import Connection
+from millpond.remote.grpc_calls import Episodes
 from millpond.remote.security import Credentials
 
 DEFAULT_TIMEOUT = 60.0
@@ -68,7 +73,8 @@ class BufferClient:
     turns the user-facing arguments into a config and wraps the backend that the
     client's :meth:`remote_buffer` gives in its handle."""
 
-    def remote_buffer(self, name: str, config: BufferConfig) -> Backend:
+    def remote_buffer(self, name: str, config: BufferConfig,
+                      create: bool | None = True) -> Backend:
         raise NotImplementedError
 
     def create_buffer(
@@ -131,8 +137,13 @@ class Client(BufferClient):
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, token: str | None = None,
                  tls: bool | None = None, tls_ca: str | os.PathLike | None = None,
                  tls_cert: str | os.PathLike | None = None,
-                 tls_key: str | os.PathLike | None = None):
+                 tls_key: str | os.PathLike | None = None, wait_for_server: bool = True):
         check_address(address)
+        if not isinstance(wait_for_server, bool):
+            raise InvalidConfigError(f"wait_for_server must be True or False, got "
+                                     f"{wait_for_server!r}")
+        self.wait_for_server = wait_for_server
+        self._unreachable = Episodes()  # told of, across this client's connections
         if shm not in (True, False, "auto"):
             raise InvalidConfigError(f"shm must be True, False or 'auto', got {shm!r}")
         if not isinstance(push_batch_size, int) or push_batch_size < 1:
@@ -157,7 +168,7 @@ class Client(BufferClient):
         settings = dict(timeout=self.timeout, max_message_mb=self.max_message_bytes >> 20,
                         shm=self.shm, push_batch_size=self.push_batch_size,
                         push_max_delay=self.push_max_delay, max_in_flight=self.max_in_flight,
-                        **self.credentials.settings())
+                        wait_for_server=self.wait_for_server, **self.credentials.settings())
         return (_rebuild_client, (self.address, settings))
 
     @property
@@ -173,7 +184,8 @@ class Client(BufferClient):
                         _INHERITED.append(self._connection)
                     self._connection = Connection(self.address, self._options(), self.shm,
                                                   self.timeout, self.max_message_bytes,
-                                                  self.credentials)
+                                                  self.credentials, self.wait_for_server,
+                                                  self._unreachable)
                     self._pid = os.getpid()
         assert self._connection is not None
         return self._connection
@@ -204,18 +216,57 @@ class Client(BufferClient):
 
     # ---- buffers --------------------------------------------------------------
 
-    def remote_buffer(self, name: str, config: BufferConfig) -> RemoteBuffer:
-        """Create ``name`` with ``config`` (or attach to it): the backend of a handle."""
-        info, created = self.connection.grpc.create(name, config, self.timeout)
-        return RemoteBuffer(self, name, info.checked_config(), owner=created)
+    def remote_buffer(self, name: str, config: BufferConfig,
+                      create: bool | None = True) -> RemoteBuffer:
+        """The backend of a handle on ``name`` with ``config``.
+
+        ``create=True``: create it, or attach to it if it exists with this config.
+        ``create=False``: attach only; BufferNotFoundError (naming the server's buffers
+        of close names) if it does not exist. ``create=None``: attach if it exists; else
+        the handle creates it on its first write (push, push_batch, episode writes), and
+        a read before that (sample, len, info, ...) raises BufferNotFoundError unless it
+        exists by then: a learner's mistyped name fails at its first sample instead of
+        making an empty buffer to wait on. An existing buffer with another config raises
+        ConfigMismatchError, whatever ``create`` says.
+        """
+        check_create(create)
+        grpc = self.connection.grpc
+        if create is not True:
+            try:
+                grpc.info(name, self.timeout)
+            except BufferNotFoundError:
+                if create is False:
+                    raise self.missing_buffer(name) from None
+                return RemoteBuffer(self, name, config, pending=True)
+        # (found: Create attaches, checking the config; it creates only if the buffer was
+        # deleted in between)
+        info, created = grpc.create(name, config, self.timeout)
+        return RemoteBuffer(self, name, info.checked_config(), owner=created,
+                            read_only=info.read_only)
 
     def buffer(self, name: str) -> Buffer:
-        """Attach to the existing buffer ``name`` (BufferNotFoundError if none).
+        """Attach to the existing buffer ``name`` (BufferNotFoundError, naming the
+        server's buffers of close names, if none).
 
         The handle's ``close()`` releases it; ``delete()`` deletes the buffer.
         """
-        info = self.connection.grpc.info(name, self.timeout)
-        return handle_for(RemoteBuffer(self, name, info.checked_config()))
+        try:
+            info = self.connection.grpc.info(name, self.timeout)
+        except BufferNotFoundError:
+            raise self.missing_buffer(name) from None
+        return handle_for(RemoteBuffer(self, name, info.checked_config(),
+                                       read_only=info.read_only))
+
+    def missing_buffer(self, name: str, lazy: bool = False) -> BufferNotFoundError:
+        """The error for a buffer ``name`` this server lacks: it names the buffers it has
+        of close names (a typo?). ``lazy``: a handle that would create it on its first
+        write was read first."""
+        try:
+            names = [info.name for info in self.connection.grpc.list(self.timeout)
+                     if info.name]
+        except ReplayError:
+            names = None
+        return missing_buffer_error(name, self.address, names, lazy)
 
     def list_buffers(self) -> list[BufferInfo]:
         """Info of every buffer on the server, by name: those served (``info.state`` is
@@ -293,6 +344,34 @@ def check_address(address: Any) -> str:
     if not isinstance(address, str) or not address:
         raise InvalidConfigError(f"address must be 'host:port', got {address!r}")
     return address
+
+
+def check_create(create: Any) -> bool | None:
+    """A buffer constructor's ``create`` (True, False or None), or InvalidConfigError."""
+    if create not in (True, False, None) or not isinstance(create, (bool, type(None))):
+        raise InvalidConfigError(f"create must be True, False or None, got {create!r}")
+    return create
+
+
+def missing_buffer_error(name: str, address: str, names: list[str] | None,
+                         lazy: bool = False) -> BufferNotFoundError:
+    """BufferNotFoundError for ``name`` at ``address``, naming those of ``names`` (the
+    server's buffers; None: unknown) that are close to it."""
+    message = f"no buffer named {name!r} at {address}"
+    if names is not None:
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+        if close:
+            message += f"; did you mean {' or '.join(map(repr, close))}?"
+        elif names:
+            shown = ", ".join(map(repr, sorted(names)[:10]))
+            message += f"; it has {shown}{', ...' if len(names) > 10 else ''}"
+        else:
+            message += "; it has no buffers"
+    if lazy:
+        message += (". This handle was made with create=None (the default), which creates "
+                    "the buffer on its first write and never on a read; pass create=True "
+                    "to create it at once (e.g. a learner that starts before its actors)")
+    return BufferNotFoundError(message)
 
 
 def check_client_timeout(timeout: Any) -> float:

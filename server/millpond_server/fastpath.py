@@ -243,6 +243,7 @@ class FastPathSession(threading.Thread):
     def push(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         req.no_fds(fds)
         buffer = self.ops.registry.get(req.buffer_name(message))
+        buffer.check_writable("push_batch")  # before its columns are checked: it is what is wrong
         config = buffer.config
         # An episodic push carries its records' episode ids in one more column.
         schema = with_episode_column(config.schema) if config.episodes else config.schema
@@ -265,6 +266,7 @@ class FastPathSession(threading.Thread):
 
     def update_priorities(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         req.no_fds(fds)
+        self.ops.registry.get(req.buffer_name(message)).check_writable("update_priorities")
         mm = req.mapped(self.push_segments, message.get("segment"))
         n = req.record_count(message)
         # Copies: the engine must not see values change after it checked them.

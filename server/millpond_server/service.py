@@ -338,6 +338,7 @@ class ReplayService:
     async def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest,
                                context: Context) -> pb.UpdatePrioritiesReply:
         buffer = self.ops.registry.get(request.name)
+        buffer.check_writable("update_priorities")
         if len(request.indices) > buffer.config.total_capacity:  # before they become objects
             raise InvalidArgumentError(
                 f"{len(request.indices):,} priorities to update in a buffer of capacity "

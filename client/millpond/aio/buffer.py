@@ -22,7 +22,12 @@ from millpond.core.checks import check_indices, check_timeout
 from millpond.core.config import BufferConfig, ConfigAccessors, check_exponent
 from millpond.core.episode_checks import check_fields, check_filter, require_episodes
 from millpond.core.info import BufferInfo
-from millpond.errors import BufferClosedError, BufferNotFoundError, InvalidArgumentError
+from millpond.errors import (
+    BufferClosedError,
+    BufferNotFoundError,
+    InvalidArgumentError,
+    ReadOnlyBufferError,
+)
 from millpond.handle.buffer import (
     PUSH_BATCH_ORDER,
     PUSH_ORDER,
@@ -58,11 +63,12 @@ class AsyncBuffer(ConfigAccessors):
     """
 
     def __init__(self, client: "AsyncClient", name: str, config: BufferConfig,
-                 owner: bool = False):
+                 owner: bool = False, read_only: bool = False):
         self._client = client
         self.name = name
         self.config = config  # fixed at creation
         self.owner = owner
+        self.read_only = read_only  # a dataset the daemon serves read-only (its info says)
         self._may_wait = config.rate_limiter is not None  # (queues and stacks have one)
         self._closed = False
 
@@ -87,6 +93,7 @@ class AsyncBuffer(ConfigAccessors):
         :meth:`millpond.Buffer.push`'s: ``push(obs, action, reward, terminated, truncated,
         next_obs)``, or ``push(**{field: value})``; ``timeout`` as for :meth:`push_batch`.
         One call per record: an actor of many records sends them with :meth:`push_batch`."""
+        self._check_writable("push")
         await self._push_one(bind(self.schema, PUSH_ORDER, args, kwargs), None, timeout)
 
     async def push_batch(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> None:
@@ -94,6 +101,7 @@ class AsyncBuffer(ConfigAccessors):
         stored. Arguments as :meth:`millpond.Buffer.push_batch`'s. With a rate limiter the
         push waits up to ``timeout`` seconds (None: the client's timeout) while it would
         break it, then raises RateLimitTimeoutError; a task cancelled meanwhile withdraws it."""
+        self._check_writable("push_batch")
         await self._push_many(bind(self.schema, PUSH_BATCH_ORDER, args, kwargs), None, timeout)
 
     async def flush(self) -> None:
@@ -103,19 +111,24 @@ class AsyncBuffer(ConfigAccessors):
 
     async def _push_one(self, record: Mapping[str, Any], priority: Any,
                         timeout: float | None) -> None:
-        self._check_writable()
+        self._check_writable("push")
         timeout = check_timeout(timeout)
         priorities, batch = checked_record(self.config, record, priority)
         await self._send(1, batch, priorities, timeout)
 
     async def _push_many(self, columns: Mapping[str, Any], priorities: Any,
                          timeout: float | None) -> None:
-        self._check_writable()
+        self._check_writable("push_batch")
         push = checked_push(self.config, columns, priorities, None, None, timeout)
         await self._send(push.n, push.batch, push.priorities, push.timeout)
 
-    def _check_writable(self) -> None:
+    def _check_writable(self, what: str) -> None:
+        """Open, not a read-only dataset (said before a write's arguments are checked: it
+        is what is wrong first), and not episodic."""
         self._check_open()
+        if self.read_only:
+            raise ReadOnlyBufferError(f"{what} to {self.name!r}: it is a dataset the server "
+                                      "serves read-only; nothing was written")
         if self.config.episodes:
             raise InvalidArgumentError(
                 "millpond.aio does not write to episodic buffers (each writer's episode is "
@@ -145,6 +158,9 @@ class AsyncBuffer(ConfigAccessors):
     async def reset(self) -> None:
         """Drop every record; keep the buffer (see :meth:`millpond.Buffer.reset`)."""
         self._check_open()
+        if self.read_only:
+            raise ReadOnlyBufferError(f"reset of {self.name!r}: it is a dataset the server "
+                                      "serves read-only")
         await self._client.grpc.reset(self.name, self._client.timeout)
 
     # ---- samples --------------------------------------------------------------
@@ -354,18 +370,20 @@ class AsyncPrioritizedBuffer(AsyncBuffer):
     async def push(self, *args: Any, priority: float | None = None,
                    timeout: float | None = None, **kwargs: Any) -> None:
         """``await push(obs, action, reward, terminated, truncated, next_obs, priority=None)``."""
+        self._check_writable("push")
         await self._push_one(bind(self.schema, PUSH_ORDER, args, kwargs), priority, timeout)
 
     async def push_batch(self, *args: Any, priorities: Any = None,
                          timeout: float | None = None, **kwargs: Any) -> None:
         """Like :meth:`AsyncBuffer.push_batch`, with one priority per record (optional)."""
+        self._check_writable("push_batch")
         await self._push_many(bind(self.schema, PUSH_BATCH_ORDER, args, kwargs), priorities,
                               timeout)
 
     async def update_priorities(self, indices: Any, priorities: Any) -> int:
         """New priorities for sampled ``indices``; returns how many were still live."""
+        self._check_writable("update_priorities")
         seqs, values = priority_arguments(indices, priorities)
-        self._check_open()
         return await self._client.counted("update_priorities").update_priorities(
             self.name, seqs, values, self._client.timeout)
 
@@ -376,8 +394,9 @@ class AsyncPrioritizedBuffer(AsyncBuffer):
         await self._client.counted("set_beta").set_beta(self.name, beta, self._client.timeout)
 
 
-def handle_for(client: "AsyncClient", name: str, config: BufferConfig,
+def handle_for(client: "AsyncClient", name: str, info: BufferInfo,
                owner: bool = False) -> AsyncBuffer:
-    """The handle class for ``config``: prioritized or not."""
+    """The handle of the buffer ``info`` describes: prioritized or not."""
+    config = info.checked_config()
     cls = AsyncPrioritizedBuffer if config.prioritized is not None else AsyncBuffer
-    return cls(client, name, config, owner)
+    return cls(client, name, config, owner, info.read_only)

@@ -16,12 +16,13 @@ from millpond.client import (
     channel_options,
     check_address,
     check_client_timeout,
+    missing_buffer_error,
 )
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo
 from millpond.core.ratelimit import RateLimiter
 from millpond.core.schema import Schema
-from millpond.errors import BufferClosedError, InvalidConfigError
+from millpond.errors import BufferClosedError, BufferNotFoundError, InvalidConfigError, ReplayError
 from millpond.remote.aio_transport import AioTransport
 from millpond.remote.connection import Connection
 from millpond.remote.security import Credentials
@@ -36,7 +37,8 @@ def connect(address: str, *, timeout: float = DEFAULT_TIMEOUT,
             max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, shm: bool | str = "auto",
             token: str | None = None, tls: bool | None = None,
             tls_ca: str | os.PathLike | None = None, tls_cert: str | os.PathLike | None = None,
-            tls_key: str | os.PathLike | None = None) -> "Connecting":
+            tls_key: str | os.PathLike | None = None,
+            wait_for_server: bool = True) -> "Connecting":
     """A client of the server at ``address`` ("host:port"), for coroutines of the running
     event loop: ``client = await connect(address)``, or ``async with connect(address) as
     client:`` (closed on leaving). The settings are :func:`millpond.connect`'s, checked
@@ -53,11 +55,13 @@ def connect(address: str, *, timeout: float = DEFAULT_TIMEOUT,
     the client's gRPC channel.
 
     Connecting sends nothing (``shm=True`` aside): the first call waits (within its
-    deadline) for a server that is not up yet.
+    deadline) for a server that is not up yet, and after about a second logs one warning
+    saying what it waits for; ``wait_for_server=False`` raises ServerUnavailableError
+    instead, within about 2 s (see :func:`millpond.connect`).
     """
     return Connecting(address, dict(timeout=timeout, max_message_mb=max_message_mb, shm=shm,
                                     token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
-                                    tls_key=tls_key))
+                                    tls_key=tls_key, wait_for_server=wait_for_server))
 
 
 class Connecting(Coroutine[Any, Any, "AsyncClient"]):
@@ -114,7 +118,7 @@ class AsyncClient:
                  token: str | None = None, tls: bool | None = None,
                  tls_ca: str | os.PathLike | None = None,
                  tls_cert: str | os.PathLike | None = None,
-                 tls_key: str | os.PathLike | None = None):
+                 tls_key: str | os.PathLike | None = None, wait_for_server: bool = True):
         if not isinstance(address, str) or address.startswith("dns:///"):
             raise InvalidConfigError(
                 "millpond.aio connects to one server ('host:port'); for shards (a list of "
@@ -125,11 +129,15 @@ class AsyncClient:
         self.timeout = check_client_timeout(timeout)
         self.max_message_bytes = int(max_message_mb) * 1024 * 1024
         self.shm = shm
+        if not isinstance(wait_for_server, bool):
+            raise InvalidConfigError(f"wait_for_server must be True or False, got "
+                                     f"{wait_for_server!r}")
+        self.wait_for_server = wait_for_server
         self.credentials = Credentials.resolve(token, tls, tls_ca, tls_cert, tls_key)
         options = channel_options(self.max_message_bytes)
         self._channel = self.credentials.aio_channel(address, options)
         self._grpc = AioTransport(self._channel, self.max_message_bytes,
-                                  self.credentials.metadata(), address)
+                                  self.credentials.metadata(), address, wait_for_server)
         self._closed = False
         self._grpc_calls: Counter[tuple[str, str]] = Counter()
         # The fast path: the sync client's connection (its negotiation, sessions and
@@ -171,7 +179,7 @@ class AsyncClient:
     async def _negotiate(self) -> Connection | None:
         connection = await asyncio.to_thread(
             Connection, self.address, channel_options(self.max_message_bytes), self.shm,
-            self.timeout, self.max_message_bytes, self.credentials)
+            self.timeout, self.max_message_bytes, self.credentials, self.wait_for_server)
         self.shm_reason = connection.shm_reason
         if connection.shm is None or self._closed:  # no fast path: its channel goes
             await asyncio.to_thread(connection.close)
@@ -241,14 +249,23 @@ class AsyncClient:
             meta_fields=meta_fields, frame_stack=frame_stack, next_of=next_of,
             frame_capacity=frame_capacity)
         info, created = await self.grpc.create(name, config, self.timeout)
-        return handle_for(self, name, info.checked_config(), owner=created)
+        return handle_for(self, name, info, owner=created)
 
     async def buffer(self, name: str) -> AsyncBuffer:
         """Attach to the existing buffer ``name`` (BufferNotFoundError if none;
         BufferDamagedError if the daemon holds it out of service). The handle's ``close()``
-        releases it; ``delete()`` deletes the buffer."""
-        info = await self.grpc.info(name, self.timeout)
-        return handle_for(self, name, info.checked_config())
+        releases it; ``delete()`` deletes the buffer. The error of a missing buffer names
+        the server's buffers of close names (a typo?)."""
+        try:
+            info = await self.grpc.info(name, self.timeout)
+        except BufferNotFoundError:
+            try:
+                names: list[str] | None = [i.name for i in await self.grpc.list(self.timeout)
+                                           if i.name]
+            except ReplayError:
+                names = None
+            raise missing_buffer_error(name, self.address, names) from None
+        return handle_for(self, name, info)
 
     async def list_buffers(self) -> list[BufferInfo]:
         """Info of every buffer on the server: those served (``info.state`` is ``"ok"``)

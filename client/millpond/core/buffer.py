@@ -93,6 +93,10 @@ class TieredBuffer(ConfigAccessors):
     ``"stack"`` the newest, newest first (LIFO).
     """
 
+    # A read-only dataset (:class:`~.dataset.ReadOnlyBuffer`) says True: every write
+    # raises ReadOnlyBufferError before its arguments are looked at (see check_writable).
+    read_only = False
+
     def __init__(self, config: BufferConfig, path: str | os.PathLike | None = None, *,
                  persistent: bool = False, sync_every_push: bool = False, exclusive: bool = False):
         """Everything is checked (config, memory, disk) before anything is written, and
@@ -232,7 +236,13 @@ class TieredBuffer(ConfigAccessors):
                 cold_size=fifo.hot_lo - fifo.first, damaged=len(fifo.holes),
                 memory_needed=memory_needed(self.config, self.persistent),
                 memory_limit=memory_limit() or 0, episodes=episodes,
-                episodes_in_progress=in_progress, **self._rate.stats())
+                episodes_in_progress=in_progress, read_only=self.read_only,
+                **self._rate.stats())
+
+    def check_writable(self, what: str) -> None:
+        """Nothing here; ReadOnlyBufferError in a read-only dataset. Callers that check a
+        write's arguments before the engine does (the daemon's fast path) call it first:
+        that the buffer takes no writes is what is wrong first."""
 
     # ---- writes ---------------------------------------------------------------
 
@@ -313,10 +323,17 @@ class TieredBuffer(ConfigAccessors):
         and ``indices``. Queue mode returns (and removes) the oldest records,
         oldest first; stack mode the newest, newest first. ``out`` may supply
         the destination arrays (``{field: array[batch_size, *shape]}``), e.g.
-        shared memory. With a rate limiter (always, in queue and stack
-        modes) waits up to ``timeout`` seconds (None: no limit) while the
-        sample would break it; without one, asking for more records than are
-        held raises NotEnoughDataError at once.
+        shared memory.
+
+        One rule for every mode, with or without a rate limiter (as the
+        reference's ``sample``): a sample of ``batch_size`` needs at least
+        ``batch_size`` records held, although replay draws with replacement.
+        Without a rate limiter, asking for more raises NotEnoughDataError at
+        once; with one (always, in queue and stack modes) the sample waits up
+        to ``timeout`` seconds (None: no limit) until enough records are held
+        and the limiter allows it (RateLimitTimeoutError then says which it
+        waited for). More than the buffer's capacity can never be held:
+        NotEnoughDataError at once, limiter or not.
 
         Episodic buffers: ``filter_meta`` draws only records of episodes
         with those meta values; ``n_step`` (with ``gamma``) returns n-step
@@ -353,13 +370,18 @@ class TieredBuffer(ConfigAccessors):
             limiter.check_sample(batch_size)
         with self._lock:
             self._check_open()
+            if limiter is not None and need > self.config.total_capacity:
+                raise NotEnoughDataError(  # waiting could never end
+                    f"batch_size {batch_size} > buffer capacity {self.config.total_capacity}: "
+                    "a sample needs that many records held")
             if limiter is None:
                 if need > self._size():
                     raise NotEnoughDataError(f"batch_size {batch_size} > buffer len {self._size()}"
                                              if need == batch_size else "the buffer is empty")
             else:
-                self._rate.wait_until("sample", batch_size, lambda: self._sample_ready(batch_size),
-                                      timeout, self._size, self._check_open)
+                self._rate.wait_until("sample", batch_size,
+                                      lambda: self._sample_ready(batch_size, need),
+                                      timeout, self._size, self._check_open, need)
             result = read()
             self._rate.samples += batch_size
             self._rate.changed()
@@ -370,9 +392,12 @@ class TieredBuffer(ConfigAccessors):
         one costs more than sampling 256 small records."""
         return self._rng if seed is None else np.random.default_rng(seed)
 
-    def _sample_ready(self, batch_size: int) -> bool:
-        """Whether a sample of ``batch_size`` may proceed now (lock held)."""
+    def _sample_ready(self, batch_size: int, need: int) -> bool:
+        """Whether a sample of ``batch_size`` (of ``need`` records at least) may proceed
+        now (lock held)."""
         size = self._size()
+        if size < need:  # one rule, limiter or not: see sample
+            return False
         if self.config.removes or self.config.max_times_sampled:
             if size < batch_size:  # it takes batch_size distinct records (or draws left)
                 return False

@@ -174,6 +174,11 @@ class ReadOnlyBuffer(TieredBuffer):
         unended = np.unique(ids[order][last & ~ends[order]])
         TieredBuffer.update_episodes(self, [(int(e), None, True) for e in unended])
 
+    read_only = True
+
+    def check_writable(self, what: str) -> None:
+        raise self._refuse(what)
+
     def _refuse(self, what: str) -> ReadOnlyBufferError:
         self._check_open()
         return ReadOnlyBufferError(f"this buffer is a read-only dataset: {what} is refused")

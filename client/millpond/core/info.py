@@ -38,7 +38,8 @@ class BufferInfo(Mapping[str, Any]):
     (complete: ended, first record live) and ``episodes_in_progress`` (not
     ended, with a live record). ``stored_bytes``: what the live records
     occupy (RAM and disk); ``logical_bytes``: what they would as plain arrays
-    (equal, but for buffers with ``frame_stack`` or ``next_of``).
+    (equal, but for buffers with ``frame_stack`` or ``next_of``). ``read_only``: an
+    offline dataset, whose writes all raise ReadOnlyBufferError.
     ``path`` is the buffer's file (on a server: relative to its data
     directory). A prioritized buffer also reports ``beta``, its current
     importance-sampling exponent, ``max_priority``, the priority a record
@@ -90,6 +91,7 @@ class BufferInfo(Mapping[str, Any]):
     episodes_in_progress: int = 0
     stored_bytes: int = 0
     logical_bytes: int = 0
+    read_only: bool = False
     state: str = "ok"
     reason: str = ""
     shards: tuple["ShardInfo", ...] = ()

@@ -229,19 +229,20 @@ class RateState:
     # ---- waiting --------------------------------------------------------------------
 
     def wait_until(self, kind: str, n: int, ready: Callable[[], bool], timeout: float | None,
-                   size: Callable[[], int], still_open: Callable[[], None]) -> None:
+                   size: Callable[[], int], still_open: Callable[[], None],
+                   need: int = 0) -> None:
         """Wait until ``ready()``, at most ``timeout`` seconds (None: no limit); count the wait.
 
         ``size()`` is the buffer's size (for messages); ``still_open()``
         raises if the buffer was closed meanwhile. The RateLimitTimeoutError
         says what waited (``kind``, ``n`` records): a caller that only tries
-        (``timeout=0``) may wait elsewhere and retry.
+        (``timeout=0``) may wait elsewhere and retry. ``need``: records the call needs
+        held (a sample's batch size), named in the message while fewer are.
         """
         if ready():
             return
         if timeout == 0:  # a try-only call is not a wait
-            raise RateLimitTimeoutError(self._timed_out(kind, timeout, size()), kind, n,
-                                        self.describe(size()))
+            raise self._timeout_error(kind, n, timeout, size(), need)
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         self.waits.started(kind)
@@ -249,16 +250,20 @@ class RateState:
             while not ready():
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise RateLimitTimeoutError(self._timed_out(kind, timeout, size()), kind, n,
-                                                self.describe(size()))
+                    raise self._timeout_error(kind, n, timeout, size(), need)
                 self._cond.wait(remaining)
                 still_open()
         finally:
             self.waits.finished(kind, time.monotonic() - start)
 
-    def _timed_out(self, kind: str, timeout: float | None, size: int) -> str:
-        return (f"{kind} timed out after {timeout:g} s waiting for the rate limiter "
-                f"({self.describe(size)})")
+    def _timeout_error(self, kind: str, n: int, timeout: float | None, size: int,
+                       need: int) -> RateLimitTimeoutError:
+        state = self.describe(size)
+        if size < need:  # say so first: it is what the call waits for most plainly
+            state = f"fewer than the {need} records a sample of {n} needs; {state}"
+        return RateLimitTimeoutError(
+            f"{kind} timed out after {timeout:g} s waiting for the rate limiter ({state})",
+            kind, n, state)
 
     def changed(self) -> None:
         """Wake waiting calls: the state has changed (or the buffer closed)."""

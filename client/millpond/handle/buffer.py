@@ -52,7 +52,7 @@ from millpond.core.episodes import check_meta, record_ends
 from millpond.core.info import BufferInfo
 from millpond.core.schema import Schema
 from millpond.core.snapshot import CheckpointResult
-from millpond.errors import FieldMismatchError, InvalidArgumentError
+from millpond.errors import FieldMismatchError, InvalidArgumentError, ReadOnlyBufferError
 from millpond.handle.backend import Backend
 from millpond.handle.dataloader import EpisodeLoader
 from millpond.handle.devices import check_device, to_device
@@ -127,6 +127,7 @@ class Buffer(ConfigAccessors):
         this thread's current episode, and ends it if its ``terminated`` or
         ``truncated`` is true.
         """
+        self._check_writable("push")
         self._push_one(self._bind(PUSH_ORDER, args, kwargs), None, timeout)
 
     def push_batch(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> None:
@@ -142,6 +143,7 @@ class Buffer(ConfigAccessors):
         episodic buffer the records continue this thread's episodes, like
         pushes one by one.
         """
+        self._check_writable("push_batch")
         self._push_many(self._bind(PUSH_BATCH_ORDER, args, kwargs), None, timeout)
 
     def sample(self, batch_size: int, seed: int | None = None, *, timeout: float | None = None,
@@ -259,6 +261,14 @@ class Buffer(ConfigAccessors):
             f"backend={type(self._backend).__name__})"
         )
 
+    def _check_writable(self, what: str) -> None:
+        """ReadOnlyBufferError for any write to a read-only dataset, before the write's
+        arguments are bound or checked: a push of ordinary transitions to a dataset
+        lacks its ``returns_to_go``, but that is not what is wrong."""
+        if getattr(self._backend, "read_only", False):
+            raise ReadOnlyBufferError(f"{what}: this buffer is a read-only offline dataset; "
+                                      "nothing was written")
+
     def _bind(self, order: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
         """Map the reference's positional/keyword arguments to field names (:func:`bind`)."""
         return bind(self.schema, order, args, kwargs)
@@ -304,6 +314,7 @@ class Buffer(ConfigAccessors):
 
     def store(self, **step: Any) -> None:
         """Append one step (``store(**{field: value})``) to this thread's current episode."""
+        self._check_writable("store")
         self._push_one(self._bind((), (), step), None, None)
 
     def end_episode(self, **meta: Any) -> None:
@@ -313,6 +324,7 @@ class Buffer(ConfigAccessors):
         ``terminated``/``truncated`` ended the episode, this gives that
         episode its meta. With nothing written since, it does nothing.
         """
+        self._check_writable("end_episode")
         checked = check_meta(self.config.meta_fields, meta)
         self._require_episodes()
         self.flush()
@@ -331,6 +343,7 @@ class Buffer(ConfigAccessors):
         end. An exception leaves the episode unended (never complete) and the
         next record starts another.
         """
+        self._check_writable("one_episode")
         checked = check_meta(self.config.meta_fields, meta)
         self._require_episodes()
         stream = self._stream()
@@ -347,6 +360,7 @@ class Buffer(ConfigAccessors):
 
     def episode_writer(self, n_envs: int, max_records: int | None = None) -> EpisodeWriter:
         """A writer for ``n_envs`` vectorized environments (see :class:`EpisodeWriter`)."""
+        self._check_writable("episode_writer")
         return EpisodeWriter(self, n_envs, max_records)
 
     def _require_episodes(self) -> None:
@@ -485,6 +499,7 @@ class Buffer(ConfigAccessors):
         is empty. Remote: pushes queued on this handle are stored first,
         then dropped with the rest; needs the ``learner`` or ``admin`` role.
         """
+        self._check_writable("reset")
         self._backend.reset()
 
     def checkpoint(self, path: str | os.PathLike, *,
@@ -518,15 +533,18 @@ class PrioritizedBuffer(Buffer):
     def push(self, *args: Any, priority: float | None = None, timeout: float | None = None,
              **kwargs: Any) -> None:
         """``push(obs, action, reward, terminated, truncated, next_obs, priority=None)``."""
+        self._check_writable("push")
         self._push_one(self._bind(PUSH_ORDER, args, kwargs), priority, timeout)
 
     def push_batch(self, *args: Any, priorities: Any = None, timeout: float | None = None,
                    **kwargs: Any) -> None:
         """Like :meth:`Buffer.push_batch`, with one priority per record (optional)."""
+        self._check_writable("push_batch")
         self._push_many(self._bind(PUSH_BATCH_ORDER, args, kwargs), priorities, timeout)
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """New priorities for sampled ``indices``; returns how many were still live."""
+        self._check_writable("update_priorities")
         return self._backend.update_priorities(*priority_arguments(indices, priorities))
 
     def set_beta(self, beta: float) -> None:

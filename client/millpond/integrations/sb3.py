@@ -124,13 +124,15 @@ class _MillpondStorage:
                   "truncated": ("bool", ())}
         capacity = self.buffer_size * self.n_envs
         self._in_process = address is None
+        # SB3's buffer is its own writer and reader: a server's buffer is made (or found)
+        # now, as SB3's is, not on the first add (millpond's classes' default).
         if hot_capacity is None:
             self._handle = _RamBuffer(capacity, fields=fields, address=address, name=name,
-                                      token=token, max_in_flight=max_in_flight)
+                                      token=token, max_in_flight=max_in_flight, create=True)
         else:
             self._handle = _MmapBuffer(hot_capacity, capacity, cold_path=cold_path,
                                        fields=fields, address=address, name=name,
-                                       token=token, max_in_flight=max_in_flight)
+                                       token=token, max_in_flight=max_in_flight, create=True)
         held = len(self._handle) // self.n_envs  # an existing server buffer's steps
         self.pos, self.full = held % self.buffer_size, held >= self.buffer_size
         self._stored = min(held, self.buffer_size)  # steps in millpond that this object counts

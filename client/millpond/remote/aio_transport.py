@@ -13,7 +13,9 @@ refuses (:class:`~millpond.errors.ProtocolError`, naming the server).
   records and would not fit is refused before it draws), as the sync transport's do.
 * Every call waits for the server to be ready, within its deadline (``wait_for_ready``;
   a server still recovering its buffers answers ServerStartingError, retried with
-  backoff). Nothing else is retried.
+  backoff), and says so as the sync transport does: one warning after about a second
+  of not reaching it, or with ``wait_for_server=False`` ServerUnavailableError within
+  about 2 s. Nothing else is retried.
 * Small pushes and samples (at most 64 KiB each way) go as messages on open streams
   (:mod:`millpond.remote.aio_streams`, pooled: one call per stream at a time); the rest
   are unary calls. Every request and reply is bytes, framed and parsed here.
@@ -38,7 +40,12 @@ from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo
 from millpond.core.schema import Schema
 from millpond.core.sequences import n_step_specs, read_specs, sequence_specs
-from millpond.errors import BufferClosedError, DeadlineExceededError, ServerStartingError
+from millpond.errors import (
+    BufferClosedError,
+    DeadlineExceededError,
+    ServerStartingError,
+    ServerUnavailableError,
+)
 from millpond.remote import grpc_calls, replies
 from millpond.remote.aio_streams import StreamPool, Unsent
 from millpond.remote.grpc_transport import _RETRY_FIRST, _RETRY_MAX, STREAMED_MAX_BYTES
@@ -61,8 +68,12 @@ class AioTransport:
     name = "grpc"
 
     def __init__(self, channel: grpc.aio.Channel, max_message_bytes: int,
-                 metadata: tuple[tuple[str, str], ...] | None = None, address: str = ""):
+                 metadata: tuple[tuple[str, str], ...] | None = None, address: str = "",
+                 wait_for_server: bool = True):
         self.channel = channel
+        self.wait_for_server = wait_for_server
+        self._reached = False  # as GrpcTransport's
+        self._episodes = grpc_calls.Episodes()
         self.max_message_bytes = max_message_bytes
         self.metadata = (*(metadata or ()), (MAX_RECEIVE_KEY, str(max_message_bytes)))
         self.address = address  # named in the errors of replies that do not check
@@ -82,6 +93,8 @@ class AioTransport:
         loop = asyncio.get_running_loop()
         end = loop.time() + deadline
         delay = _RETRY_FIRST
+        if not self._reached:
+            await self._reach(end)
         while True:
             error: DeadlineExceededError | Exception
             try:
@@ -97,6 +110,8 @@ class AioTransport:
                     raise BufferClosedError(f"the client of {self.address} was closed while "
                                             f"its {method} call was under way") from None
                 raise
+            if type(error) in (DeadlineExceededError, ServerUnavailableError):
+                self._reached = False  # the next call checks again (and may tell again)
             if type(error) is DeadlineExceededError:  # perhaps never connected: why?
                 error = await self._why_unreached(error)
             left = end - loop.time()
@@ -117,15 +132,39 @@ class AioTransport:
         return await self._unary[method](request, timeout=timeout, wait_for_ready=True,
                                          metadata=self.metadata)
 
-    async def _why_unreached(self, error: DeadlineExceededError) -> DeadlineExceededError:
-        """See :func:`millpond.remote.grpc_calls.unreached`."""
+    async def _reach(self, end: float) -> None:
+        """As :meth:`GrpcTransport._reach
+        <millpond.remote.grpc_transport.GrpcTransport._reach>`: return once a health
+        check reaches the server; else tell (once per episode) or, failing fast, raise
+        ServerUnavailableError."""
+        loop = asyncio.get_running_loop()
+        fail_fast = not self.wait_for_server
+        patience = grpc_calls.FAIL_FAST_S if fail_fast else grpc_calls.NOTICE_S
+        patience = max(0.0, min(patience, end - loop.time()))
+        cause = grpc_calls.probe_cause(await self._probe(patience, wait=not fail_fast))
+        if cause is not None and not fail_fast:  # what the channel saw, said plainly
+            cause = grpc_calls.probe_cause(await self._probe(0.2, wait=False))
+        if cause is None:  # answered
+            self._reached, self._episodes.told = True, False
+        elif fail_fast:
+            raise grpc_calls.unavailable(self.address or "?", cause)
+        elif not self._episodes.told:
+            self._episodes.told = True
+            grpc_calls.waiting_notice(self.address or "?", cause, end - loop.time())
+
+    async def _probe(self, timeout: float = 0.2, wait: bool = False) -> grpc.RpcError | None:
+        """A health check, as the sync transport's: its error, or None if answered."""
         probe = self.channel.unary_unary("/grpc.health.v1.Health/Check",
                                          request_serializer=None, response_deserializer=None)
         try:
-            await probe(b"", timeout=0.2, metadata=self.metadata)
+            await probe(b"", timeout=timeout, metadata=self.metadata, wait_for_ready=wait)
         except grpc.RpcError as exc:
-            return grpc_calls.unreached(error, exc)
-        return error
+            return exc
+        return None
+
+    async def _why_unreached(self, error: DeadlineExceededError) -> DeadlineExceededError:
+        """See :func:`millpond.remote.grpc_calls.unreached`."""
+        return grpc_calls.unreached(error, await self._probe(), self.address)
 
     async def close(self) -> None:
         """End the idle streams (the channel is closed by its owner: its calls under way

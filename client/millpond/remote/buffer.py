@@ -14,6 +14,7 @@ Bulk calls go through the connection's transport seam
 from __future__ import annotations
 
 import os
+import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -52,11 +53,19 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
     """
 
     def __init__(self, client: "Client", name: str, config: BufferConfig, owner: bool = False,
-                 windowed: bool = True):
+                 windowed: bool = True, read_only: bool = False, pending: bool = False,
+                 may_own: bool = True):
         self._client = client
         self.name = name
         self.config = config
         self.owner = owner
+        self.read_only = read_only  # a dataset: writes refused here, before their checks
+        # Pending: the buffer did not exist when this handle was made, and the handle
+        # creates it (with ``config``) on its first write; a read before that attaches if
+        # it exists by then, else raises BufferNotFoundError (see Client.remote_buffer).
+        self.pending = pending
+        self._may_own = may_own  # a handle made by unpickling never owns what it creates
+        self._pending_lock = threading.Lock()
         self._may_wait = config.rate_limiter is not None  # (queues and stacks have one)
         # A window of pushes in flight, and the connection it is on; see _push_window.
         self._window: tuple[Connection, PushWindow] | None = None
@@ -68,15 +77,41 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
         return self._client
 
     def __reduce__(self) -> tuple[Any, tuple]:  # pending records stay with this handle, never in a pickle
-        return (RemoteBuffer, (self._client, self.name, self.config))
+        return (RemoteBuffer, (self._client, self.name, self.config, False, True,
+                               self.read_only, self.pending, False))
 
     def __len__(self) -> int:
         return self.info().size
 
     def info(self) -> BufferInfo:
-        self._check_open()
+        self._check_attached()
         self.flush()
         return self._client.connection.grpc.info(self.name, self._client.timeout)
+
+    def _check_attached(self) -> None:
+        """Open, and attached: a pending handle (see ``pending``) attaches to the buffer if
+        it exists by now, else raises BufferNotFoundError naming the buffers of close
+        names: a read never creates a buffer."""
+        self._check_open()
+        if self.pending:  # (records queued by push() are this handle's first write)
+            self._settle(create=self._batcher is not None)
+
+    def _settle(self, create: bool) -> None:
+        """End the pending state: Create the buffer (``create``: the first write), or
+        attach to it if it exists now (Create finds it: the server checks the config)."""
+        with self._pending_lock:
+            if not self.pending:
+                return
+            grpc = self._client.connection.grpc
+            if not create:
+                try:
+                    grpc.info(self.name, self._client.timeout)
+                except BufferNotFoundError:
+                    raise self._client.missing_buffer(self.name, lazy=True) from None
+            info, created = grpc.create(self.name, self.config, self._client.timeout)
+            self.owner = created and self._may_own
+            self.read_only = info.read_only
+            self.pending = False
 
     # ---- writes ---------------------------------------------------------------
 
@@ -84,6 +119,8 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
               timeout: float | None, episodes: np.ndarray | None = None,
               updates: list | None = None) -> None:
         """Push ``batch`` to the server (the writes' one way out)."""
+        if self.pending:
+            self._settle(create=True)
         if priorities is not None and not len(priorities):
             priorities = None  # no priorities and an empty list are the same push
         schema = self.schema
@@ -122,7 +159,8 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
 
     def update_episodes(self, updates: Any) -> None:
         """Apply ``(episode id, meta, end)`` updates, after the pushes queued before."""
-        self._check_open()
+        self._check_writable("update_episodes")
+        self._check_attached()
         checked = check_updates(self.config, updates)
         self.flush()
         self._client.connection.grpc.update_episodes(self.name, self.config, checked,
@@ -130,14 +168,15 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """New priorities for sampled records; returns how many were still live."""
-        self._check_open()
+        self._check_writable("update_priorities")
+        self._check_attached()
         self._check_priorities_allowed(True)
         self.flush()
         return self._client.connection.call("update_priorities", self.name, indices, priorities,
                                             self._client.timeout)
 
     def set_beta(self, beta: float) -> None:
-        self._check_open()
+        self._check_attached()
         self._check_priorities_allowed(True)
         self.flush()
         self._client.connection.call("set_beta", self.name, beta, self._client.timeout)
@@ -159,7 +198,7 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
         connection breaks), the records are consumed and delivered to no one (see
         docs/concepts.md, "Samples that consume records, remotely").
         """
-        self._check_open()
+        self._check_attached()
         wait, deadline = self._client.budget(timeout, self._may_wait)
         self.flush()
         return self._client.connection.call(
@@ -170,7 +209,7 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
                       seed: int | None = None, *, filter_meta: Mapping[str, Any] | None = None,
                       timeout: float | None = None) -> dict[str, np.ndarray]:
         """n-step transitions, drawn on the server (see the engine's ``sample_n_step``)."""
-        self._check_open()
+        self._check_attached()
         return self._episodic("sample_n_step", batch_size, timeout, filter_meta,
                               n_step=n_step, gamma=gamma, seed=seed)
 
@@ -178,7 +217,7 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
                          filter_meta: Mapping[str, Any] | None = None,
                          timeout: float | None = None) -> dict[str, np.ndarray]:
         """Windows of episodes, drawn on the server (see the engine's ``sample_sequences``)."""
-        self._check_open()
+        self._check_attached()
         return self._episodic("sample_sequences", batch_size, timeout, filter_meta,
                               seq_len=seq_len, seed=seed)
 
@@ -187,7 +226,7 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
                         timeout: float | None = None) -> dict[str, np.ndarray]:
         """Complete episodes, drawn on the server. Over gRPC whatever the transport:
         their size is known only once drawn."""
-        self._check_open()
+        self._check_attached()
         return self._episodic("sample_episodes", batch_size, timeout, filter_meta,
                               max_len=max_len, seed=seed)
 
@@ -203,7 +242,7 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
     def episode_catalog(self, filter_meta: Mapping[str, Any] | None = None
                         ) -> dict[str, np.ndarray]:
         """The complete live episodes (see the engine's ``episode_catalog``), over gRPC."""
-        self._check_open()
+        self._check_attached()
         self.flush()
         return self._client.connection.grpc_call("episode_catalog", self.name, self.config,
                                                  filter_meta or None, self._client.timeout)
@@ -211,7 +250,7 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
     def read(self, seqs: Any, fields: Any = None, *, positions: bool = False,
              episode_ids: bool = False) -> dict[str, np.ndarray]:
         """Records by index or position, and ``live`` (see the engine's ``read``)."""
-        self._check_open()
+        self._check_attached()
         self.flush()
         return self._client.connection.call("read", self.name, self.config, seqs, fields,
                                             self._client.timeout, positions, episode_ids)
@@ -231,7 +270,7 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
                    timeout: float | None = None) -> CheckpointResult:
         """Flush this handle's pushes, then have the daemon write a snapshot of the buffer
         to ``path`` under its --backup-dir (see :meth:`millpond.Client.checkpoint`)."""
-        self._check_open()
+        self._check_attached()
         self.flush()
         return self._client.connection.grpc.checkpoint(self.name, os.fspath(path), timeout,
                                                        progress)
@@ -239,7 +278,7 @@ class RemoteBuffer(QueuedWrites, ConfigAccessors):
     def reset(self) -> None:
         """Drop every record on the server, after the pushes queued before (see the
         engine's ``reset``). Over gRPC: it moves no data."""
-        self._check_open()
+        self._check_attached()
         self.flush()
         self._client.connection.grpc.reset(self.name, self._client.timeout)
 

@@ -27,6 +27,7 @@ from millpond.errors import (
     ServerUnavailableError,
     SharedMemoryError,
 )
+from millpond.remote.grpc_calls import Episodes
 from millpond.remote.grpc_transport import GrpcTransport
 from millpond.remote.malloc import tune_malloc_for_large_messages
 from millpond.remote.security import Credentials
@@ -79,17 +80,20 @@ class Connection:
 
     ``shm``: "auto" uses the fast path when the server offers it and this
     process can reach it; True requires it (SharedMemoryError if it cannot be
-    had, with the reason); False never uses it.
+    had, with the reason); False never uses it. ``wait_for_server``: see
+    :func:`millpond.connect` (the fast path is negotiated at once, so an unreachable
+    server is found, waited for or refused, when the connection is made).
     """
 
     def __init__(self, address: str, options: list[tuple[str, Any]], shm: bool | str,
                  timeout: float, max_message_bytes: int,
-                 credentials: Credentials | None = None):
+                 credentials: Credentials | None = None, wait_for_server: bool = True,
+                 episodes: Episodes | None = None):
         tune_malloc_for_large_messages()
         self.credentials = credentials = credentials or Credentials()
         self.channel = credentials.channel(address, options)  # TLS when configured
         self.grpc = GrpcTransport(self.channel, max_message_bytes, credentials.metadata(),
-                                  address)
+                                  address, wait_for_server, episodes)
         self._timeout = timeout
         self._lock = threading.Lock()
         self.calls: Counter[tuple[str, str]] = Counter()  # (transport, op) -> calls made
@@ -97,7 +101,12 @@ class Connection:
         self.shm_reason = "disabled by the client (shm=False)"
         self._want_shm = shm
         if shm is not False:
-            self.shm, self.shm_reason = self._negotiate()
+            try:
+                self.shm, self.shm_reason = self._negotiate()
+            except BaseException:  # (an unreachable server, say): no channel left behind
+                self.grpc.close()
+                self.channel.close()
+                raise
             if shm is True and self.shm is None:
                 self.channel.close()
                 raise SharedMemoryError(f"shared memory was required but {self.shm_reason}")

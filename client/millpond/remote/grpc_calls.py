@@ -12,6 +12,7 @@ function of its arguments: no channel, no I/O, no waiting.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import grpc
@@ -19,7 +20,7 @@ import numpy as np
 
 from millpond.core.schema import Schema
 from millpond.core.sequences import Spec
-from millpond.errors import DeadlineExceededError, MessageTooLargeError
+from millpond.errors import DeadlineExceededError, MessageTooLargeError, ServerUnavailableError
 from millpond.remote.shm.protocol import SAMPLE_EXTRAS
 from millpond.v1 import replay_pb2 as pb
 from millpond.wire.episodic import encode_meta, encode_updates
@@ -32,6 +33,15 @@ from millpond.wire.frames import (
     encode_with_batch,
 )
 from millpond.wire.inplace import sole_writable
+
+log = logging.getLogger("millpond.client")
+
+# A call that finds its channel not connected waits this long for it (READY) before it
+# says what it waits for (wait_for_server=True: one warning) ...
+NOTICE_S = 1.0
+# ... or, failing fast (wait_for_server=False), before it gives up: at once when the
+# channel has failed to connect (refused, no such host, TLS), else after this long.
+FAIL_FAST_S = 2.0
 
 # Protobuf framing per column (name, dtype, shape, length prefixes) is tiny;
 # this margin keeps size checks honest without computing it exactly.
@@ -129,7 +139,65 @@ def reply_columns(reply: bytes) -> dict[str, np.ndarray]:
             for name, column in columns.items()}
 
 
-def unreached(error: DeadlineExceededError, probe: grpc.RpcError | None
+def unreachable_cause(details: str) -> str:
+    """What a channel's last connection error (``details`` of an UNAVAILABLE status)
+    means, in words, with the error itself: the words are a hint for people only (no
+    error is told apart by them)."""
+    text = details.lower()
+    if "connection refused" in text:
+        what = "nothing listens there (connection refused): is the server up, on this port?"
+    elif any(word in text for word in ("dns", "resolv", "domain name not found",
+                                       "name or service not known", "hostname")):
+        what = "its host name does not resolve (DNS)"
+    elif any(word in text for word in ("ssl", "tls", "handshake", "certificate")):
+        what = ("the TLS handshake failed: do TLS settings agree (tls=, tls_ca=, "
+                "tls_cert=/tls_key= or MILLPOND_TLS_*)?")
+    elif "timed out" in text or "deadline" in text:
+        what = "no answer (a firewall, or a host that is down?)"
+    else:
+        what = ("it cannot be reached: is it up at that address, and do TLS settings agree "
+                "(tls=, tls_ca=, tls_cert=/tls_key= or MILLPOND_TLS_*)?")
+    return f"{what} [{details}]" if details else what
+
+
+class Episodes:
+    """Whether a client told of the current episode of its server's unreachability (one
+    per client: its connections come and go, a connection that failed to open included)."""
+
+    def __init__(self) -> None:
+        self.told = False
+
+
+def waiting_notice(address: str, cause: str, left: float) -> None:
+    """Log what a call that waits for the server at ``address`` waits for (once per
+    episode of unreachability: :class:`Episodes`)."""
+    log.warning("the server at %s is not reachable: %s; calls wait for it up to their "
+                "deadline (%.0f s left); connect(wait_for_server=False) fails fast instead",
+                address, cause, left)
+
+
+def unavailable(address: str, cause: str) -> ServerUnavailableError:
+    """The error of a call that fails fast (``wait_for_server=False``)."""
+    return ServerUnavailableError(
+        f"the server at {address} cannot be reached: {cause} (wait_for_server=False: "
+        "not waiting for it)")
+
+
+def probe_cause(probe: grpc.RpcError | None) -> str | None:
+    """Why a health check made without waiting (``probe``: its error, None if answered)
+    did not reach the server; None if it did (any answer but UNAVAILABLE or
+    DEADLINE_EXCEEDED comes from the server)."""
+    if probe is None:
+        return None
+    code = probe.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return unreachable_cause(probe.details() or "")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "no answer yet, still connecting (a firewall, or a host that is down?)"
+    return None
+
+
+def unreached(error: DeadlineExceededError, probe: grpc.RpcError | None, address: str = ""
               ) -> DeadlineExceededError:
     """What a call that waited its whole deadline says, given how a health check made
     without waiting (``probe``: its error, None if it was answered) fared: a TLS mismatch
@@ -137,6 +205,6 @@ def unreached(error: DeadlineExceededError, probe: grpc.RpcError | None
     call like a server that is not up, and the channel knows its last connection error."""
     if probe is not None and probe.code() == grpc.StatusCode.UNAVAILABLE:
         return DeadlineExceededError(
-            f"{error}: the server was never reached ({probe.details()}); is it up, and "
-            "do TLS settings agree (tls=, tls_ca=, tls_cert=/tls_key= or MILLPOND_TLS_*)?")
+            f"{error}: the server at {address or '?'} was never reached: "
+            f"{unreachable_cause(probe.details() or '')}")
     return error

@@ -12,7 +12,11 @@ Every call waits for the server to be ready, within its deadline: gRPC's
 ``wait_for_ready`` holds it while the server is not listening yet (a client
 started before its daemon), and a server still recovering its buffers
 answers :class:`~millpond.errors.ServerStartingError`, which is retried with
-backoff. A message whose stream had ended before the daemon read it is sent
+backoff. Not silently: a call that finds the channel not connected waits about a
+second for it, then logs one warning saying what it waits for (the address, and
+the channel's last connection error in words), once per episode of
+unreachability; with ``wait_for_server=False`` it raises ServerUnavailableError
+instead (see :func:`millpond.connect`). A message whose stream had ended before the daemon read it is sent
 again on a new stream. Nothing else is retried: a push whose connection broke
 may or may not have been stored, and the caller must know.
 
@@ -46,7 +50,13 @@ from millpond.core.info import BufferInfo
 from millpond.core.schema import Schema
 from millpond.core.sequences import Spec, n_step_specs, read_specs, sequence_specs
 from millpond.core.snapshot import CheckpointResult
-from millpond.errors import DeadlineExceededError, ProtocolError, ReplayError, ServerStartingError
+from millpond.errors import (
+    DeadlineExceededError,
+    ProtocolError,
+    ReplayError,
+    ServerStartingError,
+    ServerUnavailableError,
+)
 from millpond.remote import grpc_calls, replies
 from millpond.remote.grpc_calls import FRAMING_BYTES  # noqa: F401 (where callers look for it)
 from millpond.remote.grpc_calls import plain_sample_request as _plain_sample_request
@@ -75,7 +85,13 @@ class GrpcTransport:
     name = "grpc"
 
     def __init__(self, channel: grpc.Channel, max_message_bytes: int,
-                 metadata: tuple[tuple[str, str], ...] | None = None, address: str = ""):
+                 metadata: tuple[tuple[str, str], ...] | None = None, address: str = "",
+                 wait_for_server: bool = True, episodes: grpc_calls.Episodes | None = None):
+        self.wait_for_server = wait_for_server
+        # Whether the channel was seen connected since a call last failed to reach the
+        # server (then calls skip the check), and whether this episode was told of.
+        self._reached = False
+        self._episodes = episodes or grpc_calls.Episodes()
         self.max_message_bytes = max_message_bytes
         self.metadata = (*(metadata or ()), (MAX_RECEIVE_KEY, str(max_message_bytes)))
         self.address = address  # named in the errors of replies that do not check
@@ -115,6 +131,8 @@ class GrpcTransport:
         ``small``: request and reply are at most STREAMED_MAX_BYTES (see :meth:`_send`)."""
         end = time.monotonic() + deadline
         delay = _RETRY_FIRST
+        if not self._reached:
+            self._reach(end)
         while True:
             try:
                 return self._send(method, request, max(0.0, end - time.monotonic()), small)
@@ -122,6 +140,8 @@ class GrpcTransport:
                 error = error_from_rpc(exc)
             except DeadlineExceededError as exc:  # a stream's caller waited its deadline
                 error = exc
+            if type(error) in (DeadlineExceededError, ServerUnavailableError):
+                self._reached = False  # the next call checks again (and may tell again)
             if type(error) is DeadlineExceededError:  # perhaps never connected: why?
                 error = self._why_unreached(error)
             left = end - time.monotonic()
@@ -142,6 +162,39 @@ class GrpcTransport:
         """End this client's streams (its channel is closed by its owner)."""
         self._streams.close()
 
+    def _reach(self, end: float) -> None:
+        """Before a call: return once a health check reaches the server; if none does
+        within NOTICE_S, log what the call will wait for (once per episode), or, with
+        ``wait_for_server=False``, raise ServerUnavailableError saying why (within
+        FAIL_FAST_S; at once when the channel fails to connect). Health checks, not the
+        channel's connectivity callbacks: those run a polling thread that can hang a
+        process at exit."""
+        fail_fast = not self.wait_for_server
+        patience = grpc_calls.FAIL_FAST_S if fail_fast else grpc_calls.NOTICE_S
+        patience = max(0.0, min(patience, end - time.monotonic()))
+        cause = grpc_calls.probe_cause(self._probe(patience, wait=not fail_fast))
+        if cause is not None and not fail_fast:  # what the channel saw, said plainly
+            cause = grpc_calls.probe_cause(self._probe(0.2, wait=False))
+        if cause is None:  # answered
+            self._reached, self._episodes.told = True, False
+        elif fail_fast:
+            raise grpc_calls.unavailable(self.address or "?", cause)
+        elif not self._episodes.told:
+            self._episodes.told = True
+            grpc_calls.waiting_notice(self.address or "?", cause, end - time.monotonic())
+
+    def _probe(self, timeout: float = 0.2, wait: bool = False) -> grpc.RpcError | None:
+        """A health check (``wait``: waiting for the channel to connect, within
+        ``timeout``): its error, or None if the server answered it (as anything but
+        UNAVAILABLE or DEADLINE_EXCEEDED, say UNIMPLEMENTED or UNAUTHENTICATED)."""
+        probe = self.channel.unary_unary("/grpc.health.v1.Health/Check",
+                                         request_serializer=None, response_deserializer=None)
+        try:
+            probe(b"", timeout=timeout, metadata=self.metadata, wait_for_ready=wait)
+        except grpc.RpcError as exc:
+            return exc
+        return None
+
     def _why_unreached(self, error: DeadlineExceededError) -> DeadlineExceededError:
         """A call that waited its whole deadline for a connection says why it never got one.
 
@@ -149,13 +202,7 @@ class GrpcTransport:
         certificate) looks to a waiting call like a server that is not up:
         ask the channel, without waiting, for its last connection error.
         """
-        probe = self.channel.unary_unary("/grpc.health.v1.Health/Check",
-                                         request_serializer=None, response_deserializer=None)
-        try:
-            probe(b"", timeout=0.2, metadata=self.metadata)
-        except grpc.RpcError as exc:
-            return grpc_calls.unreached(error, exc)
-        return error
+        return grpc_calls.unreached(error, self._probe(), self.address)
 
     # ---- bulk ---------------------------------------------------------------------
 

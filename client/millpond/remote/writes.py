@@ -20,7 +20,7 @@ from millpond.core.config import BufferConfig
 from millpond.core.episode_checks import check_push_episodes, check_updates
 from millpond.core.episodes import EPISODE_COLUMN, with_episode_column
 from millpond.core.schema import Schema
-from millpond.errors import BufferClosedError, InvalidArgumentError
+from millpond.errors import BufferClosedError, InvalidArgumentError, ReadOnlyBufferError
 from millpond.remote.batcher import PushBatcher
 from millpond.remote.grpc_transport import FRAMING_BYTES
 
@@ -38,6 +38,7 @@ class QueuedWrites:
     name: str
     owner: bool
     _client: Any  # push_batch_size, push_max_delay, max_message_bytes
+    read_only: bool = False  # a dataset the daemon serves read-only (its info says so)
     _closed: bool = False
     _batcher: PushBatcher | None = None
 
@@ -64,7 +65,7 @@ class QueuedWrites:
         once, after what is queued. ``episode``: its episode's id (episodic
         buffers).
         """
-        self._check_open()
+        self._check_writable("push")
         timeout = check_timeout(timeout)
         ids = check_push_episodes(self.config, episode, 1)
         checked = check_updates(self.config, updates) if updates else None
@@ -94,7 +95,7 @@ class QueuedWrites:
         ``timeout``: seconds the push may wait for the buffer's rate limiter
         (None: the client's timeout).
         """
-        self._check_open()
+        self._check_writable("push_batch")
         push = checked_push(self.config, columns, priorities, episodes, updates, timeout)
         self._flush_queued()
         self._send(*push)
@@ -138,6 +139,14 @@ class QueuedWrites:
                     self._batcher.close()
             finally:
                 self._closed = True
+
+    def _check_writable(self, what: str) -> None:
+        """Open, and not a read-only dataset: checked before a write's arguments, since
+        that no write is taken is what is wrong first (the daemon would refuse it too)."""
+        self._check_open()
+        if self.read_only:
+            raise ReadOnlyBufferError(f"{what} to {self.name!r}: it is a dataset the server "
+                                      "serves read-only; nothing was written")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -264,12 +264,16 @@ class ShardedBuffer(QueuedWrites, ConfigAccessors):
                       fetch: Callable[[int, int, int | None], dict[str, np.ndarray]],
                       shed_short: bool) -> dict[str, np.ndarray]:
         """:meth:`_draw` of ``k`` records as one buffer's ``sample`` draws them: at most
-        the records held (NotEnoughDataError, without a rate limiter, for more)."""
+        the records held (NotEnoughDataError, without a rate limiter, for more; with one,
+        the shards' samples wait for their records, as one buffer's does)."""
         sizes = {s: i.size for s, i in infos.items()}
         limited = self.config.rate_limiter is not None
-        if not limited and k > sum(sizes.values()):
-            raise NotEnoughDataError(f"batch_size {k} > buffer len {sum(sizes.values())}")
-        return self._draw(k, seed, infos, fetch, None if limited else sizes, shed_short)
+        if k > sum(sizes.values()):
+            if not limited:
+                raise NotEnoughDataError(f"batch_size {k} > buffer len {sum(sizes.values())}")
+            return self._draw(k, seed, infos, fetch, None, shed_short)
+        # (no shard is asked for more than it holds: a sample needs its records held)
+        return self._draw(k, seed, infos, fetch, sizes, shed_short)
 
     def _live_infos(self) -> dict[int, BufferInfo]:
         """:meth:`_infos`, or ServerUnavailableError if no shard answers."""

@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from millpond.client import BufferClient, Client
+from millpond.client import BufferClient, Client, check_create, missing_buffer_error
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo, ShardInfo
 from millpond.core.snapshot import CheckpointResult
@@ -216,8 +216,14 @@ class ShardedClient(BufferClient):
 
     # ---- buffers -----------------------------------------------------------------------
 
-    def remote_buffer(self, name: str, config: BufferConfig) -> ShardedBuffer:
+    def remote_buffer(self, name: str, config: BufferConfig,
+                      create: bool | None = True) -> ShardedBuffer:
         """Create ``name`` with ``config`` on every shard, or attach where it exists.
+
+        ``create=False``: attach only (BufferNotFoundError, naming buffers of close
+        names, if no shard has it). ``create=None`` creates it too: a sharded buffer's
+        shards are made together, when the handle is (unlike one server's, see
+        :meth:`millpond.Client.remote_buffer`).
 
         Where it exists its shard's own capacities are kept (an order of
         shards that changed since, e.g. pods with new addresses, still
@@ -229,9 +235,16 @@ class ShardedClient(BufferClient):
         <millpond.remote.grpc_transport.GrpcTransport.create>`). Every shard must
         answer.
         """
+        check_create(create)
         wanted = shard_configs(config, self.shards)
         found = self._infos(name, missing_ok=True)
         existing = {s: i.checked_config() for s, i in found.items() if i is not None}
+        if not existing and create is False:
+            try:
+                names: list[str] | None = [i.name for i in self.list_buffers() if i.name]
+            except ReplayError:
+                names = None
+            raise missing_buffer_error(name, ", ".join(self.addresses), names)
         if existing:
             for shard, have in existing.items():
                 differs = same_but_capacities(have, config)

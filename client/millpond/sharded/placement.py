@@ -38,7 +38,7 @@ from millpond.errors import (
 
 SHARD_SHIFT = 48
 SEQ_MASK = (1 << SHARD_SHIFT) - 1
-_SUMMED = tuple(key for key in COUNTERS if key != "samples_per_insert")
+_SUMMED = tuple(key for key in COUNTERS if key not in ("samples_per_insert", "read_only"))
 
 
 def is_down(exc: BaseException) -> bool:
@@ -192,6 +192,7 @@ def aggregate(name: str | None, config: BufferConfig | None, shards: Sequence[Sh
     numbers: dict = {key: sum(getattr(i, key) for i in live) for key in _SUMMED}
     numbers["samples_per_insert"] = (numbers["samples"] / numbers["inserts"]
                                      if numbers["inserts"] else 0.0)
+    numbers["read_only"] = any(i.read_only for i in live)
     prioritized = [i for i in live if i.priority_total is not None]
     if prioritized:
         numbers.update(

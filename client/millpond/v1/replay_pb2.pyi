@@ -187,7 +187,7 @@ class InfoRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., include_unavailable: _Optional[bool] = ...) -> None: ...
 
 class BufferInfo(_message.Message):
-    __slots__ = ("name", "config", "size", "pushed", "hot_size", "cold_size", "record_nbytes", "path", "inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds", "sample_wait_seconds", "samples_per_insert", "waiting_inserts", "waiting_samples", "damaged", "beta", "max_priority", "priority_total", "priority_min", "memory_needed", "memory_limit", "episodes", "episodes_in_progress", "state", "reason", "stored_bytes", "logical_bytes", "disk_bytes")
+    __slots__ = ("name", "config", "size", "pushed", "hot_size", "cold_size", "record_nbytes", "path", "inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds", "sample_wait_seconds", "samples_per_insert", "waiting_inserts", "waiting_samples", "damaged", "beta", "max_priority", "priority_total", "priority_min", "memory_needed", "memory_limit", "episodes", "episodes_in_progress", "state", "reason", "stored_bytes", "logical_bytes", "disk_bytes", "read_only")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class BufferInfo(_message.Message):
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOGICAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_ONLY_FIELD_NUMBER: _ClassVar[int]
     name: str
     config: BufferConfig
     size: int
@@ -250,7 +251,8 @@ class BufferInfo(_message.Message):
     stored_bytes: int
     logical_bytes: int
     disk_bytes: int
-    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ..., size: _Optional[int] = ..., pushed: _Optional[int] = ..., hot_size: _Optional[int] = ..., cold_size: _Optional[int] = ..., record_nbytes: _Optional[int] = ..., path: _Optional[str] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., insert_waits: _Optional[int] = ..., sample_waits: _Optional[int] = ..., insert_wait_seconds: _Optional[float] = ..., sample_wait_seconds: _Optional[float] = ..., samples_per_insert: _Optional[float] = ..., waiting_inserts: _Optional[int] = ..., waiting_samples: _Optional[int] = ..., damaged: _Optional[int] = ..., beta: _Optional[float] = ..., max_priority: _Optional[float] = ..., priority_total: _Optional[float] = ..., priority_min: _Optional[float] = ..., memory_needed: _Optional[int] = ..., memory_limit: _Optional[int] = ..., episodes: _Optional[int] = ..., episodes_in_progress: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stored_bytes: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ...) -> None: ...
+    read_only: bool
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[BufferConfig, _Mapping]] = ..., size: _Optional[int] = ..., pushed: _Optional[int] = ..., hot_size: _Optional[int] = ..., cold_size: _Optional[int] = ..., record_nbytes: _Optional[int] = ..., path: _Optional[str] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., insert_waits: _Optional[int] = ..., sample_waits: _Optional[int] = ..., insert_wait_seconds: _Optional[float] = ..., sample_wait_seconds: _Optional[float] = ..., samples_per_insert: _Optional[float] = ..., waiting_inserts: _Optional[int] = ..., waiting_samples: _Optional[int] = ..., damaged: _Optional[int] = ..., beta: _Optional[float] = ..., max_priority: _Optional[float] = ..., priority_total: _Optional[float] = ..., priority_min: _Optional[float] = ..., memory_needed: _Optional[int] = ..., memory_limit: _Optional[int] = ..., episodes: _Optional[int] = ..., episodes_in_progress: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., stored_bytes: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., read_only: _Optional[bool] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("include_unavailable",)
