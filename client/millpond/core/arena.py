@@ -164,7 +164,8 @@ class Arena:
         # Contiguous runs of blobs (one per lap) go in one write each.
         run_start = 0
         for j in range(1, len(blobs) + 1):
-            if j == len(blobs) or offsets[j] != offsets[j - 1] + len(blobs[j - 1]):
+            if (j == len(blobs) or offsets[j] % nbytes == 0
+                    or offsets[j] != offsets[j - 1] + len(blobs[j - 1])):
                 self._store(offsets[run_start] % nbytes, b"".join(blobs[run_start:j]))
                 run_start = j
         ids = np.arange(first, first + len(blobs), dtype=np.int64)
