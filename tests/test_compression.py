@@ -325,6 +325,7 @@ def test_pushes_killed_mid_way_leave_exactly_the_records_pushed_before(atari, tm
     names = TRANSITION
     kw = dict(hot_capacity=100, total_capacity=400, fields=fields_of(data), **COMBOS["frames+lz4"])
     acked = [0]
+    interrupted = 0
     for trial in range(3):
         with ServerProcess(tmp_path / "data") as server:
             client = millpond.connect(server.address, timeout=5)
@@ -350,5 +351,29 @@ def test_pushes_killed_mid_way_leave_exactly_the_records_pushed_before(atari, tm
         pushed, got = stored.pushed, stored.contents()
         stored.release()
         assert pushed >= acked[0]
+        interrupted += pushed < len(data["obs"])
         lo = max(0, pushed - 400)
         same(got, columns(data, lo, pushed, names))
+    assert interrupted, "the kills must land while pushes go on"
+
+
+@pytest.mark.daemon
+def test_sharded_buffers_with_compression_sample_as_plain_ones(atari, shards):
+    data = {key: value[:600] for key, value in atari["Pong"].items()}
+    kw = dict(hot_capacity=90, total_capacity=300, fields=fields_of(data))
+    with millpond.connect(shards, timeout=10) as client:
+        plain = client.create_buffer("plain", **kw)
+        packed = client.create_buffer("packed", **kw, **COMBOS["frames+zstd9"])
+        # A handle writes to one shard, the next handle to the next: the same pushes
+        # through three handles of each make every shard of both alike.
+        writers = [plain, packed] + [client.buffer(name) for _ in range(2)
+                                     for name in ("plain", "packed")]
+        push_both(writers, data)
+        assert len(plain) == len(packed) == 300
+        for seed in range(2):
+            same(plain.sample(32, seed), packed.sample(32, seed))
+        info = packed.info()
+        assert info.config.compression == (("obs", "zstd", 9),)
+        assert info.stored_bytes * 40 <= info.logical_bytes
+        plain.close()
+        packed.close()

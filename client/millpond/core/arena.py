@@ -67,7 +67,7 @@ _KEY = struct.Struct("<qqq")
 # Blobs decompressed on threads when a read has at least this many (and a thread has
 # at least half of it): below that, handing out the work costs more than it saves.
 PARALLEL_MIN = 64
-THREADS = max(2, min(4, os.cpu_count() or 2))
+THREADS = int(os.environ.get("MILLPOND_DECOMPRESS_THREADS", 0)) or max(2, min(4, os.cpu_count() or 2))
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -197,33 +197,29 @@ class Arena:
         """Frames ``frame_ids`` (live) decompressed into ``out`` (``[len(frame_ids)]`` of
         ``frame_nbytes`` each, C-contiguous), on threads when they are many."""
         n = len(frame_ids)
-        flat = out.reshape(n, -1).view(np.uint8)
-        ids = frame_ids.tolist()
-        if n < PARALLEL_MIN:
-            self._read(ids, flat, 0, n)
-            return
-        pool = _pool()
-        parts = min(THREADS, n // (PARALLEL_MIN // 2))
-        bounds = [n * p // parts for p in range(parts + 1)]
-        futures = [pool.submit(self._read, ids, flat, lo, hi)
-                   for lo, hi in zip(bounds[1:-1], bounds[2:])]
-        self._read(ids, flat, bounds[0], bounds[1])  # this thread does a share too
-        for future in futures:
-            future.result()
+        slots = frame_ids % self.capacity
+        starts = (self.offs[slots] % self.nbytes).tolist()
+        lengths = self.lens[slots].tolist()
+        if n < PARALLEL_MIN or THREADS < 2:
+            parts = self._read(starts, lengths, 0, n)
+        else:
+            pool = _pool()
+            count = min(THREADS, n // (PARALLEL_MIN // 2))
+            bounds = [n * p // count for p in range(count + 1)]
+            futures = [pool.submit(self._read, starts, lengths, lo, hi)
+                       for lo, hi in zip(bounds[1:-1], bounds[2:])]
+            parts = self._read(starts, lengths, bounds[0], bounds[1])  # a share here too
+            for future in futures:
+                parts += future.result()
+        out.reshape(-1).view(np.uint8)[:] = np.frombuffer(b"".join(parts), np.uint8)
 
-    def _read(self, ids: list[int], flat: np.ndarray, lo: int, hi: int) -> None:
-        nbytes, cap, size = self.nbytes, self.capacity, self.frame_nbytes
-        offs, lens, data = self.offs, self.lens, self.data
+    def _read(self, starts: list[int], lengths: list[int], lo: int, hi: int) -> list[bytes]:
+        """The values of ``[lo, hi)`` of a read, as bytes (decompressed, or copied raw)."""
+        size, data = self.frame_nbytes, memoryview(self.data.data)
         decompress = self.codec.decompress
-        for row in range(lo, hi):
-            slot = ids[row] % cap
-            at = int(offs[slot]) % nbytes
-            length = int(lens[slot])
-            stored = data[at:at + length]
-            if length == size:
-                flat[row] = stored
-            else:
-                flat[row] = np.frombuffer(decompress(stored, size), np.uint8)
+        return [bytes(data[at:at + length]) if length == size
+                else decompress(data[at:at + length], size)
+                for at, length in zip(starts[lo:hi], lengths[lo:hi])]
 
     def stored_nbytes(self, head: int, tail: int) -> int:
         """The ring's bytes in use by frames ``[head, tail)`` (skipped ends included) and
