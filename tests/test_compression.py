@@ -343,7 +343,8 @@ def test_pushes_killed_mid_way_leave_exactly_the_records_pushed_before(atari, tm
 
             thread = threading.Thread(target=pusher)
             thread.start()
-            wait_until(lambda: acked[0] >= start + 30 * (trial + 1), timeout=60)
+            goal = start + 30 * (trial + 1)
+            wait_until(lambda goal=goal: acked[0] >= goal, timeout=60)
             server.stop(signal.SIGKILL)
             thread.join(30)
             client.close()
