@@ -222,17 +222,18 @@ def _blob_of(path, frame_id: int) -> bytes:
 
 # ---- the byte ring against a model ----------------------------------------------------------
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(nbytes=st.integers(64, 600),
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(limit=st.sampled_from([64, 128, 256, 512, 1024]), grow=st.booleans(),
        steps=st.lists(st.tuples(st.lists(st.integers(1, 48), max_size=6), st.integers(0, 5)),
                       min_size=1, max_size=40))
-def test_the_byte_ring_keeps_every_live_blob_against_a_model(nbytes, steps):
-    """Pushes of blobs (ids in order) and frees from the head (in order): every live blob
-    reads back as written; a push is refused only when the live bytes, the new ones and
-    at most a blob's worth of skipped end per lap do not fit."""
+def test_the_byte_ring_keeps_every_live_blob_against_a_model(limit, grow, steps):
+    """Pushes of blobs (ids in order) and frees from the head (in order), in a ring
+    that starts at its limit or grows from 64 bytes: every live blob reads back as
+    written; a push is refused only when the live bytes, the new ones and at most a
+    blob's worth of skipped end per lap do not fit the limit."""
     size = 48  # the values' size: a blob of 48 bytes is a raw value
     capacity = 64
-    arena = Arena.in_memory(capacity, nbytes, Codec("lz4", 0), size)
+    arena = Arena.in_memory(capacity, limit, Codec("lz4", 0), size, lap=64 if grow else limit)
     model: dict[int, bytes] = {}  # live id -> its stored bytes
     head = tail = 0
     rng = np.random.default_rng(len(steps))
@@ -243,12 +244,14 @@ def test_the_byte_ring_keeps_every_live_blob_against_a_model(nbytes, steps):
         blobs = [rng.integers(0, 256, n, np.uint8).tobytes() for n in sizes]
         if tail + len(blobs) - head > capacity:
             continue
+        lap = arena.lap
         try:
             prepared = arena.prepare(blobs, head, tail, "x")
         except millpond.StorageFullError:
             live = sum(len(b) for b in model.values())
-            assert live + sum(sizes) + 2 * size > nbytes  # refused only when short
+            assert live + sum(sizes) + 2 * size > limit  # refused only when short
             continue
+        assert arena.lap == lap  # prepare changes nothing
         arena.write(tail, prepared)
         for j, blob in enumerate(blobs):
             model[tail + j] = blob
@@ -256,8 +259,32 @@ def test_the_byte_ring_keeps_every_live_blob_against_a_model(nbytes, steps):
         for i, blob in model.items():
             assert bytes(arena.blob(i)) == blob
         assert arena.stored_nbytes(head, tail) >= sum(len(b) for b in model.values())
-    offsets, end = place(arena.end, nbytes, [nbytes])
-    assert offsets[0] % nbytes == 0 and end == offsets[0] + nbytes  # a whole ring: from a lap's start
+        assert arena.lap <= limit and len(arena.data) == arena.lap
+    offsets, end = place(arena.end, limit, [limit])
+    assert offsets[0] % limit == 0 and end == offsets[0] + limit  # a whole ring: from a lap's start
+
+
+def test_a_ring_in_a_file_grows_and_reopens(tmp_path):
+    rng = np.random.default_rng(3)
+    fields = {"img": ("uint8", (64, 64)), "a": ("int64", ())}
+    path = tmp_path / "g.buffer"
+    buf = TieredBuffer(BufferConfig.build(capacity=400, fields=fields, compression="lz4"), path,
+                       persistent=True)
+    ring = buf._fifo.frames.rings[0]  # type: ignore[union-attr]
+    first = ring.lap
+    imgs = rng.integers(0, 256, (600, 64, 64), np.uint8)  # raw: 4 KiB each
+    for lo in range(0, 600, 50):
+        buf.push_batch({"img": imgs[lo:lo + 50], "a": np.arange(lo, lo + 50)})
+    assert ring.lap > first  # 400 live raw values: more than its first MiB
+    lap = ring.lap
+    buf.release()
+    again = TieredBuffer.open(path)
+    assert again._fifo.frames.rings[0].lap == lap  # type: ignore[union-attr]
+    got = again.contents()
+    np.testing.assert_array_equal(got["img"], imgs[200:])
+    again.push_batch({"img": imgs[:100], "a": np.arange(100)})
+    np.testing.assert_array_equal(again.contents()["img"], np.concatenate([imgs[300:], imgs[:100]]))
+    again.close()
 
 
 def test_reads_decompress_on_threads_and_raw_values_pass_through():
@@ -378,3 +405,23 @@ def test_sharded_buffers_with_compression_sample_as_plain_ones(atari, shards):
         assert info.stored_bytes * 40 <= info.logical_bytes
         plain.close()
         packed.close()
+
+
+def test_the_public_classes_take_the_options_and_export_plain_arrays(tmp_path):
+    rng = np.random.default_rng(2)
+    data = synthetic(rng, 120, shape=(32, 40))
+    fields = fields_of(data, ("obs", "next_obs", "terminated"))
+    plain = millpond.ReplayBuffer(100, fields=fields)
+    packed = millpond.MmapReplayBuffer(30, 100, fields=fields, cold_path=tmp_path / "c",
+                                       compression={"obs": ("lz4", 3)},
+                                       compressed_bytes=1 << 20, **FRAMES)
+    for buf in (plain, packed):
+        buf.push_batch(**columns(data, 0, 120, ("obs", "next_obs", "terminated")))
+    assert packed.config.compression == (("obs", "lz4", 3),)
+    a = np.load(plain.export(tmp_path / "p.npz"))
+    b = np.load(packed.export(tmp_path / "c.npz"))
+    assert sorted(a.files) == sorted(b.files)
+    for name in a.files:
+        np.testing.assert_array_equal(a[name], b[name])
+    plain.close()
+    packed.close()

@@ -13,10 +13,13 @@ ring's.
 
 **Room.** Frames ``[low, tail)`` occupy the logical bytes
 ``[offs[low], end)``; a push may write new blobs only if, placed from ``end``
-on, they end within ``nbytes`` of ``offs[low]`` (:meth:`Arena.prepare`): so a
-blob a live record (or a record the push evicts: see :mod:`.fifo`) refers to is
-never overwritten. Otherwise :class:`StorageFullError`, before anything is
-written.
+on, they end within ``lap`` (the ring's size) of ``offs[low]``
+(:meth:`Arena.prepare`): so a blob a live record (or a record the push evicts:
+see :mod:`.fifo`) refers to is never overwritten. Otherwise the ring doubles
+(see :class:`Arena`), up to its limit (``compressed_bytes``), and past that the
+push fails with :class:`StorageFullError`, before anything is written. So the
+ring's RAM and file pages follow the bytes the live records need (within a
+factor of two), not the capacity times the plain value size.
 
 **Raw values.** A value that does not shrink is stored as it is, and a blob's
 length says which: ``lens[i] == frame_nbytes`` is a raw value, anything shorter
@@ -101,34 +104,70 @@ def place(end: int, nbytes: int, sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-class Prepared:
-    """The blobs of a push, compressed and placed, not yet written."""
+def first_lap(limit: int, frame_nbytes: int) -> int:
+    """The ring's size when it is made: 1 MiB or 16 values if more, a power of two,
+    at most ``limit``."""
+    return min(max_lap(limit), 1 << max(20, (16 * frame_nbytes - 1).bit_length()))
 
-    def __init__(self, blobs: list[bytes], offsets: list[int], end: int):
-        self.blobs, self.offsets, self.end = blobs, offsets, end
+
+def max_lap(limit: int) -> int:
+    """The largest ring of at most ``limit`` bytes (a power of two)."""
+    return 1 << (limit.bit_length() - 1)
+
+
+class Prepared:
+    """The blobs of a push, compressed and placed (in a ring of ``lap`` bytes, grown
+    if larger than the current one), not yet written."""
+
+    def __init__(self, blobs: list[bytes], offsets: list[int], end: int, lap: int, start: int):
+        self.blobs, self.offsets, self.end, self.lap = blobs, offsets, end, lap
+        self.start = start  # the logical offset of the oldest bytes kept
 
 
 class Arena:
-    """One compressed frame group's blobs: ``data`` (uint8, the ring), the index
-    (``ids``: the id each slot holds, -1 none; ``offs``, ``lens``; ``sums`` in a
-    persistent file), its ``codec`` and the values' size ``frame_nbytes``."""
+    """One compressed frame group's blobs: ``data`` (uint8: the ring, or room for it
+    to grow into), the index (``ids``: the id each slot holds, -1 none; ``offs``,
+    ``lens``; ``sums`` in a persistent file), its ``codec`` and the values' size
+    ``frame_nbytes``.
+
+    **Size.** The ring is ``lap`` bytes, a power of two, and grows (doubles) when a
+    push does not fit, up to ``limit`` bytes (``compressed_bytes``): a blob never
+    straddles a multiple of a lap, so after doubling each live blob is where it was
+    or ``lap`` bytes further, and the blobs that move are one contiguous run of the
+    old ring, copied (into bytes no live blob uses) before the new size is adopted
+    and stored (``lap_store``: one int64 in the file; 0 there is the first lap). So
+    RAM and disk follow what the live records hold, not ``limit``. In RAM, ``data``
+    is reallocated; in a file, it is the whole sparse region."""
 
     def __init__(self, data: np.ndarray, ids: np.ndarray, offs: np.ndarray, lens: np.ndarray,
                  sums: np.ndarray | None, codec: Codec, frame_nbytes: int,
-                 writer: Writer | None = None):
+                 writer: Writer | None = None, limit: int | None = None,
+                 lap_store: np.ndarray | None = None, lap: int | None = None):
         self.data, self.ids, self.offs, self.lens, self.sums = data, ids, offs, lens, sums
         self.codec = codec
         self.frame_nbytes = frame_nbytes
-        self.nbytes = len(data)
+        self.limit = max_lap(len(data) if limit is None else limit)
         self.capacity = len(ids)
         self.writer = writer
+        self.lap_store = lap_store
+        stored = 0 if lap_store is None else int(lap_store[0])
+        self.lap = stored or lap or min(max_lap(len(data)), first_lap(self.limit, frame_nbytes))
         self.end = 0  # the logical offset of the next blob
 
     @classmethod
-    def in_memory(cls, capacity: int, nbytes: int, codec: Codec, frame_nbytes: int) -> "Arena":
-        return cls(np.empty(nbytes, np.uint8), np.full(capacity, -1, ID_DTYPE),
+    def in_memory(cls, capacity: int, limit: int, codec: Codec, frame_nbytes: int,
+                  lap: int | None = None) -> "Arena":
+        """A ring in RAM of at most ``limit`` bytes, ``lap`` (a power of two; default
+        :func:`first_lap`) to begin with."""
+        lap = lap or first_lap(limit, frame_nbytes)
+        return cls(np.empty(lap, np.uint8), np.full(capacity, -1, ID_DTYPE),
                    np.zeros(capacity, OFF_DTYPE), np.zeros(capacity, LEN_DTYPE), None, codec,
-                   frame_nbytes)
+                   frame_nbytes, limit=limit, lap=lap)
+
+    @property
+    def nbytes(self) -> int:
+        """The ring's bytes now."""
+        return self.lap
 
     # ---- pushes -------------------------------------------------------------------
 
@@ -142,25 +181,33 @@ class Arena:
         return int(self.offs[frame_id % self.capacity]) if frame_id < tail else self.end
 
     def prepare(self, blobs: list[bytes], low: int, tail: int, source: str) -> Prepared:
-        """Place ``blobs`` (ids ``tail`` on) after the others; StorageFullError if they
-        would overwrite frame ``low`` or later (see the module doc)."""
-        offsets, end = place(self.end, self.nbytes, [len(b) for b in blobs])
+        """Place ``blobs`` (ids ``tail`` on) after the others, in a grown ring if they
+        do not fit this one; StorageFullError if they would overwrite frame ``low`` or
+        later even in a ring of ``limit`` bytes (see the module doc). Changes nothing."""
+        sizes = [len(b) for b in blobs]
         start = self.offset(low, tail)
-        if end - start > self.nbytes:
-            raise StorageFullError(
-                f"the compressed frame store of {source!r} holds {self.nbytes:,} bytes; the "
-                f"live records' frames take {self.end - start:,} and this push adds "
-                f"{end - self.end:,}: give the buffer a larger compressed_bytes (its values "
-                "compress less than the default assumes)")
-        return Prepared(blobs, offsets, end)
+        lap = self.lap
+        while True:
+            offsets, end = place(self.end, lap, sizes)
+            if end - start <= lap:
+                return Prepared(blobs, offsets, end, lap, start)
+            if lap >= self.limit:
+                raise StorageFullError(
+                    f"the compressed frame store of {source!r} holds {self.limit:,} bytes; the "
+                    f"live records' frames take {self.end - start:,} and this push adds "
+                    f"{sum(sizes):,}: give the buffer a larger compressed_bytes (its values "
+                    "compress less than that assumes)")
+            lap *= 2
 
     def write(self, first: int, prepared: Prepared) -> None:
-        """Store the prepared blobs as ids ``first, first + 1, ...``: the bytes, then
-        their index entries."""
+        """Store the prepared blobs as ids ``first, first + 1, ...`` (the ring grown first,
+        if they need it): the bytes, then their index entries."""
+        while self.lap < prepared.lap:
+            self._grow(prepared.start)
         blobs, offsets = prepared.blobs, prepared.offsets
         if not blobs:
             return
-        nbytes, cap = self.nbytes, self.capacity
+        nbytes, cap = self.lap, self.capacity
         # Contiguous runs of blobs (one per lap) go in one write each.
         run_start = 0
         for j in range(1, len(blobs) + 1):
@@ -178,6 +225,31 @@ class Arena:
         self.ids[slots] = ids
         self.end = prepared.end
 
+    def _grow(self, start: int) -> None:
+        """Double the ring, keeping the bytes ``[start, end)`` (see the class doc)."""
+        lap, end = self.lap, self.end
+        moved = None  # (old position, bytes) of the run that moves up by lap
+        for block in (start // lap, start // lap + 1):
+            lo, hi = max(start, block * lap), min(end, (block + 1) * lap)
+            if block % 2 and lo < hi:
+                moved = (lo % lap, hi - lo)
+        if self.writer is None and self.lap_store is None:  # in RAM: a new array
+            data = np.empty(2 * lap, np.uint8)
+            data[:lap] = self.data[:lap]
+            if moved is not None:
+                at, n = moved
+                data[lap + at:lap + at + n] = self.data[at:at + n]
+            self.data = data
+        else:
+            if 2 * lap > len(self.data):
+                raise ValueError("the ring's region is smaller than its limit")
+            if moved is not None:
+                at, n = moved
+                self._store(lap + at, bytes(self.data[at:at + n]))
+            if self.lap_store is not None:
+                self.lap_store[0] = 2 * lap  # the commit point of the growth
+        self.lap = 2 * lap
+
     def _store(self, at: int, data: bytes) -> None:
         if self.writer is not None:
             self.writer(at, data)
@@ -190,7 +262,7 @@ class Arena:
         """Frame ``frame_id``'s stored bytes (compressed, or raw if their length is
         ``frame_nbytes``): a view, valid until the ring is written again."""
         slot = frame_id % self.capacity
-        at = int(self.offs[slot]) % self.nbytes
+        at = int(self.offs[slot]) % self.lap
         return memoryview(self.data[at:at + int(self.lens[slot])].data)
 
     def read(self, frame_ids: np.ndarray, out: np.ndarray) -> None:
@@ -198,7 +270,7 @@ class Arena:
         ``frame_nbytes`` each, C-contiguous), on threads when they are many."""
         n = len(frame_ids)
         slots = frame_ids % self.capacity
-        starts = (self.offs[slots] % self.nbytes).tolist()
+        starts = (self.offs[slots] % self.lap).tolist()
         lengths = self.lens[slots].tolist()
         if n < PARALLEL_MIN or THREADS < 2:
             parts = self._read(starts, lengths, 0, n)
@@ -237,9 +309,9 @@ class Arena:
         offs = self.offs[slots]
         wrong = ((wanted < 0) | (self.ids[slots] != wanted) | (lens < 1)
                  | (lens > self.frame_nbytes) | (offs < 0)
-                 | (offs % self.nbytes + lens > self.nbytes))
+                 | (offs % self.lap + lens > self.lap))
         if self.sums is not None:
-            data, nbytes = self.data, self.nbytes
+            data, nbytes = self.data, self.lap
             for j in np.flatnonzero(~wrong).tolist():
                 at = int(offs[j]) % nbytes
                 blob = data[at:at + int(lens[j])].data
@@ -258,6 +330,7 @@ class Arena:
     def release(self) -> None:
         self.data = np.empty(0, np.uint8)
         self.ids = np.empty(0, ID_DTYPE)
+        self.lap_store = None
         self.offs = np.empty(0, OFF_DTYPE)
         self.lens = np.empty(0, LEN_DTYPE)
         self.sums = None

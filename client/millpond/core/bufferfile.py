@@ -53,7 +53,8 @@ buffer's file is format 5, byte for byte as before.
 
 Format version 7 is format 6 with compressed frame rings (``compression``: see
 :mod:`.codecs` and :mod:`.arena`): regions ``framebytes:<source>`` (the ring of
-bytes), ``frameoff:``/``framelen:`` (each frame's offset and length) beside
+bytes), ``frameoff:``/``framelen:`` (each frame's offset and length),
+``framelap:`` (the ring's size now: it grows up to its region's) beside
 ``frameid:`` and ``framesum:`` (then the crc32 of each stored blob), and the
 option in the metadata. Only buffers with compression write it. The rings of
 bytes come last in the file and are left *sparse* (``ftruncate``, not

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from millpond.core.arena import INDEX_NBYTES
+from millpond.core.arena import INDEX_NBYTES, first_lap
 from millpond.core.bufferfile import BufferFile, spare_slots
 from millpond.core.checksum import CHECKSUM_DTYPE
 from millpond.core.config import BufferConfig
@@ -65,8 +65,10 @@ def side_nbytes(config: BufferConfig, persistent: bool) -> int:
     needed = 0
     if config.frame_groups and not persistent and config.cold_capacity == 0:
         assert config.frame_capacity is not None
+        # A compressed ring grows with what is stored (see .arena): its first size here.
         needed += sum(config.frame_capacity * (g.frame_nbytes + 8) if g.codec is None else
-                      arena_nbytes(g, config.frame_capacity, config.compressed_bytes)
+                      first_lap(arena_nbytes(g, config.frame_capacity, config.compressed_bytes),
+                                g.frame_nbytes)
                       + config.frame_capacity * INDEX_NBYTES
                       for g in config.frame_groups)
     if config.prioritized is not None or config.max_times_sampled:

@@ -51,6 +51,22 @@ frames are live (:meth:`Frames.restore`) and each is checked
 (:meth:`Frames.damaged`); frames written by a push that never committed lie
 past every live id and are overwritten.
 
+**Compression** (``compression=``, see :mod:`.codecs`): a compressed group keeps
+its frames in an :class:`.arena.Arena` instead of a :class:`Ring`: each frame
+compressed on its own, in a FIFO ring of bytes with each id's offset and length
+(frames are written in id order and freed from the head in id order, so no
+allocator is needed). Sharing works as before, looked up among the raw bytes of
+the window's frames, kept in RAM (at most ``RAW_CACHE_BYTES``); a compressed
+field without frame options is a group of its own (one value per record, ids
+``int64[1]`` in the records, no lookups). Reads decompress each distinct frame of
+a call once, for all the group's fields (``obs`` and ``next_obs`` share them).
+The ring grows (doubling, from 1 MiB) as the live records need, up to
+``compressed_bytes`` (default: its frames' plain bytes, so that it takes whatever
+a plain ring would): RAM and the file's (sparse) pages follow what is stored.
+Besides ``frame_capacity``, a push must fit its bytes in that limit
+(StorageFullError otherwise, nothing written). Files with compressed groups are
+format 7 (see :mod:`.bufferfile`).
+
 Not thread-safe: the buffer holds its lock around every call.
 """
 
@@ -64,7 +80,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from millpond.core.arena import ID_DTYPE, LEN_DTYPE, OFF_DTYPE, Arena
+from millpond.core.arena import ID_DTYPE, LEN_DTYPE, OFF_DTYPE, Arena, max_lap
 from millpond.core.checksum import CHECKSUM_DTYPE, record_checksums
 from millpond.core.codecs import codec
 from millpond.core.schema import Field, Schema
@@ -76,6 +92,7 @@ FRAME_SUM_PREFIX = "framesum:"
 BYTES_PREFIX = "framebytes:"  # a compressed group's ring of bytes (format 7)
 FRAME_OFF_PREFIX = "frameoff:"
 FRAME_LEN_PREFIX = "framelen:"
+FRAME_LAP_PREFIX = "framelap:"  # a compressed ring's size now (0: its first)
 RAW_CACHE_BYTES = 32 << 20  # a compressed group's recent frames kept raw, for lookups
 WINDOW = 4096  # frames looked up for sharing (about 1/32 of the ring, at least 64)
 
@@ -238,19 +255,20 @@ def stored_schema(schema: Schema, groups: tuple[FrameGroup, ...]) -> Schema:
 
 
 def default_compressed_bytes(group: FrameGroup, capacity: int) -> int:
-    """The bytes of a compressed ring when none are given: the plain bytes of its
-    ``capacity`` frames (in whole pages), so that it takes every push a plain ring
-    would, whatever the data. It costs what is written to it, not its size, until it
-    has gone round once (RAM is touched, the file's sparse region allocated, as it is
-    written); ``compressed_bytes`` bounds it where the ratio is known."""
-    return -(-capacity * group.frame_nbytes // 4096) * 4096
+    """The most bytes a compressed ring may grow to when none are given: the plain
+    bytes of its ``capacity`` frames, rounded up to a power of two, so that it takes
+    every push a plain ring would, whatever the data. It grows from 1 MiB as the live
+    records need (see :class:`.arena.Arena`): its RAM and file pages follow what is
+    stored (the file's region is sparse)."""
+    return 1 << (capacity * group.frame_nbytes - 1).bit_length()
 
 
 def arena_nbytes(group: FrameGroup, capacity: int, compressed_bytes: int | None) -> int:
-    """The bytes of a compressed group's ring (``compressed_bytes``, or the default)."""
+    """The limit of a compressed group's ring: ``compressed_bytes`` rounded down to a
+    power of two, or the default."""
     if compressed_bytes is None:
         return default_compressed_bytes(group, capacity)
-    return compressed_bytes
+    return max_lap(compressed_bytes)
 
 
 def frame_regions(groups: tuple[FrameGroup, ...], capacity: int, checksums: bool,
@@ -265,6 +283,7 @@ def frame_regions(groups: tuple[FrameGroup, ...], capacity: int, checksums: bool
             arenas[BYTES_PREFIX + group.source] = (
                 "|u1", (arena_nbytes(group, capacity, compressed_bytes),))
             regions[FRAME_OFF_PREFIX + group.source] = (OFF_DTYPE.str, (capacity,))
+            regions[FRAME_LAP_PREFIX + group.source] = (OFF_DTYPE.str, (1,))
             regions[FRAME_LEN_PREFIX + group.source] = (LEN_DTYPE.str, (capacity,))
         else:
             regions[FRAMES_PREFIX + group.source] = (group.dtype.str,
@@ -323,7 +342,7 @@ class _State:
         self.tail = 0
         self.mins: collections.deque[tuple[int, int]] = collections.deque()
         self.recent: dict[int, int] = {}
-        self.raws: dict[int, bytes] = {}
+        self.raws: collections.OrderedDict[int, bytes] = collections.OrderedDict()
 
     def head(self, first: int, pushed: int) -> int:
         """The smallest id a record in ``[first, pushed)`` refers to (``tail``: none)."""
@@ -387,12 +406,14 @@ class Frames:
                 data = region(BYTES_PREFIX + g.source)
                 offs = region(FRAME_OFF_PREFIX + g.source)
                 lens = region(FRAME_LEN_PREFIX + g.source)
-                if data is None or ids is None or offs is None or lens is None:
+                lap = region(FRAME_LAP_PREFIX + g.source)
+                if data is None or ids is None or offs is None or lens is None or lap is None:
                     raise InvalidConfigError(f"the buffer file has no compressed frame ring "
                                              f"for {g.source!r}")
                 rings.append(Arena(data, ids, offs, lens, region(FRAME_SUM_PREFIX + g.source),
                                    codec(*g.codec), g.frame_nbytes,
-                                   None if writer is None else writer(BYTES_PREFIX + g.source)))
+                                   None if writer is None else writer(BYTES_PREFIX + g.source),
+                                   lap_store=lap))
                 continue
             frames = region(FRAMES_PREFIX + g.source)
             if frames is None or ids is None:
@@ -441,6 +462,9 @@ class Frames:
                         state.recent[key] = state.tail + j
                         if keep_raw:
                             state.raws[state.tail + j] = raw
+                    window = self.windows[i]
+                    while len(state.raws) > window:  # (ids in order: the oldest first)
+                        state.raws.popitem(last=False)
                 state.tail += len(new)
                 self._forget(i, state)
             if n:
@@ -492,10 +516,9 @@ class Frames:
     def _forget(self, i: int, state: _State) -> None:
         """Drop lookups of frames older than the window (now and then: amortized)."""
         window = self.windows[i]
-        if len(state.recent) > 4 * window or len(state.raws) > 2 * window:
+        if len(state.recent) > 4 * window:
             oldest = state.tail - window
             state.recent = {key: i for key, i in state.recent.items() if i >= oldest}
-            state.raws = {i: raw for i, raw in state.raws.items() if i >= oldest}
 
     # ---- reads ----------------------------------------------------------------------
 
