@@ -176,6 +176,22 @@ class Arena:
         blob = self.codec.compress(raw)
         return blob if len(blob) < len(raw) else raw
 
+    def compress_many(self, raws: list[bytes]) -> list[bytes]:
+        """:meth:`compress` of each, on threads when they are many."""
+        n = len(raws)
+        if n < PARALLEL_MIN or THREADS < 2:
+            return [self.compress(raw) for raw in raws]
+        count = min(THREADS, n // (PARALLEL_MIN // 2))
+        bounds = [n * p // count for p in range(count + 1)]
+
+        def part(lo: int, hi: int) -> list[bytes]:
+            return [self.compress(raw) for raw in raws[lo:hi]]
+        futures = [_pool().submit(part, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+        out = part(bounds[0], bounds[1])
+        for future in futures:
+            out += future.result()
+        return out
+
     def offset(self, frame_id: int, tail: int) -> int:
         """The logical offset of frame ``frame_id`` (``end`` if it is ``tail`` or later)."""
         return int(self.offs[frame_id % self.capacity]) if frame_id < tail else self.end
@@ -265,9 +281,9 @@ class Arena:
         at = int(self.offs[slot]) % self.lap
         return memoryview(self.data[at:at + int(self.lens[slot])].data)
 
-    def read(self, frame_ids: np.ndarray, out: np.ndarray) -> None:
-        """Frames ``frame_ids`` (live) decompressed into ``out`` (``[len(frame_ids)]`` of
-        ``frame_nbytes`` each, C-contiguous), on threads when they are many."""
+    def read(self, frame_ids: np.ndarray) -> np.ndarray:
+        """Frames ``frame_ids`` (live) decompressed, as the bytes of each, one after the
+        other (a read-only uint8 array), on threads when they are many."""
         n = len(frame_ids)
         slots = frame_ids % self.capacity
         starts = (self.offs[slots] % self.lap).tolist()
@@ -283,15 +299,12 @@ class Arena:
             parts = self._read(starts, lengths, bounds[0], bounds[1])  # a share here too
             for future in futures:
                 parts += future.result()
-        out.reshape(-1).view(np.uint8)[:] = np.frombuffer(b"".join(parts), np.uint8)
+        return np.frombuffer(b"".join(parts), np.uint8)
 
     def _read(self, starts: list[int], lengths: list[int], lo: int, hi: int) -> list[bytes]:
         """The values of ``[lo, hi)`` of a read, as bytes (decompressed, or copied raw)."""
-        size, data = self.frame_nbytes, memoryview(self.data.data)
-        decompress = self.codec.decompress
-        return [bytes(data[at:at + length]) if length == size
-                else decompress(data[at:at + length], size)
-                for at, length in zip(starts[lo:hi], lengths[lo:hi])]
+        return self.codec.decompress_many(memoryview(self.data.data), starts[lo:hi],
+                                          lengths[lo:hi], self.frame_nbytes)
 
     def stored_nbytes(self, head: int, tail: int) -> int:
         """The ring's bytes in use by frames ``[head, tail)`` (skipped ends included) and

@@ -50,15 +50,18 @@ CODECS = tuple(LEVELS)
 
 
 class Codec:
-    """One codec at one level: ``compress(bytes) -> bytes`` and
+    """One codec at one level: ``compress(bytes) -> bytes``,
     ``decompress(buffer, nbytes) -> bytes`` (``nbytes``: the value's size, known to the
-    reader). Thread-safe: zstd's (de)compressor objects are kept per thread."""
+    reader) and ``decompress_many(data, starts, lengths, nbytes)``, the values stored at
+    ``data[start:start + length]`` (those of length ``nbytes`` raw: copied), in one tight
+    loop. Thread-safe: zstd's (de)compressor objects are kept per thread."""
 
     def __init__(self, name: str, level: int):
         self.name, self.level = name, level
         self._local = threading.local()
         self.compress: Callable[[bytes], bytes]
         self.decompress: Callable[[Any, int], bytes]
+        self.decompress_many: Callable[[memoryview, list[int], list[int], int], list[bytes]]
         if name == "lz4":
             block = _module("lz4.block", "lz4")
             if level:
@@ -71,7 +74,14 @@ class Codec:
 
             def decompress(data: Any, nbytes: int) -> bytes:
                 return block.decompress(data, uncompressed_size=nbytes)
-            self.compress, self.decompress = compress, decompress
+
+            def many(data: memoryview, starts: list[int], lengths: list[int],
+                     nbytes: int) -> list[bytes]:
+                unpack = block.decompress
+                return [bytes(data[at:at + n]) if n == nbytes
+                        else unpack(data[at:at + n], uncompressed_size=nbytes)
+                        for at, n in zip(starts, lengths)]
+            self.compress, self.decompress, self.decompress_many = compress, decompress, many
         else:
             zstd = _module("zstandard", "zstandard")
             local = self._local
@@ -84,12 +94,22 @@ class Codec:
                                                       write_dict_id=False)
                 return c.compress(raw)
 
-            def zdecompress(data: Any, nbytes: int) -> bytes:
+            def decompressor() -> Any:
                 d = getattr(local, "d", None)
                 if d is None:
                     d = local.d = zstd.ZstdDecompressor()
-                return d.decompress(data, max_output_size=nbytes)
-            self.compress, self.decompress = zcompress, zdecompress
+                return d
+
+            def zdecompress(data: Any, nbytes: int) -> bytes:
+                return decompressor().decompress(data, max_output_size=nbytes)
+
+            def zmany(data: memoryview, starts: list[int], lengths: list[int],
+                      nbytes: int) -> list[bytes]:
+                unpack = decompressor().decompress
+                return [bytes(data[at:at + n]) if n == nbytes
+                        else unpack(data[at:at + n], max_output_size=nbytes)
+                        for at, n in zip(starts, lengths)]
+            self.compress, self.decompress, self.decompress_many = zcompress, zdecompress, zmany
 
     def __repr__(self) -> str:
         return f"Codec({self.name!r}, {self.level})"

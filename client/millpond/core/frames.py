@@ -444,7 +444,7 @@ class Frames:
                     "repeat as often as the default assumes)")
             prepared = None
             if isinstance(ring, Arena):
-                prepared = ring.prepare([ring.compress(raw) for _, _, raw in new], low,
+                prepared = ring.prepare(ring.compress_many([raw for _, _, raw in new]), low,
                                         state.tail, group.source)
             plans.append((ids, new, prepared))
         seqs = np.arange(pushed, pushed + n, dtype=np.int64)
@@ -543,8 +543,7 @@ class Frames:
                 continue
             flat = [fields[name][0].reshape(-1) for name in names]
             wanted, inverse = np.unique(np.concatenate(flat), return_inverse=True)
-            frames = np.empty((len(wanted),) + group.frame_shape, group.dtype)
-            ring.read(wanted, frames)
+            frames = ring.read(wanted).view(group.dtype).reshape((len(wanted),) + group.frame_shape)
             at = 0
             for name, part in zip(names, flat):
                 ids, out = fields[name]
