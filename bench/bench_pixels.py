@@ -24,8 +24,9 @@ NAMES = ("obs", "next_obs", "actions", "rewards", "terminated", "truncated")
 
 
 def section(quick: bool, seconds: float, timed_rate: Callable) -> None:
-    print("\nPixels: frames stored once (frame_stack={'obs': 0}, next_of={'next_obs': 'obs'}) "
-          "beside plain, Atari 84x84x4 uint8 transitions, in-process")
+    print("\nPixels: frames stored once (frame_stack={'obs': 0}, next_of={'next_obs': 'obs'}: "
+          "'shared'), and also compressed ('lz4', 'zstd': compression=), beside plain, Atari "
+          "84x84x4 uint8 transitions, in-process")
     try:
         import atari_frames
     except ImportError:
@@ -48,9 +49,9 @@ def section(quick: bool, seconds: float, timed_rate: Callable) -> None:
                 buf.push_batch({name: data[name][lo:lo + 32] for name in NAMES})
         per = {label: buf.info().stored_bytes / len(buf) for label, buf in buffers.items()}
         rates: dict[str, list[float]] = {label: [] for label in buffers}
-        for _ in range(3):  # in turns: a noisy moment hits both alike
+        for _ in range(5):  # in turns: a noisy moment hits all alike
             for label, buf in buffers.items():
-                rates[label].append(timed_rate(lambda b=buf: b.sample(32), 32, seconds / 3,
+                rates[label].append(timed_rate(lambda b=buf: b.sample(32), 32, seconds / 5,
                                                repeats=1))
         rate = {label: float(np.median(values)) for label, values in rates.items()}
         print(f"  {game} ({padding} padding, {steps:,} steps, capacity {capacity:,}): plain "
