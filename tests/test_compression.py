@@ -424,3 +424,23 @@ def test_the_public_classes_take_the_options_and_export_plain_arrays(tmp_path):
         np.testing.assert_array_equal(a[name], b[name])
     plain.close()
     packed.close()
+
+
+def test_float_fields_come_back_bit_for_bit():
+    rng = np.random.default_rng(4)
+    states = rng.normal(size=(200, 300)).astype(np.float32)
+    states[::2, :150] = 0.0  # something to compress
+    states[3, :5] = [-0.0, np.nan, np.inf, -np.inf, 1e-45]
+    fields = {"state": ("<f4", (300,)), "big": (">f8", (2, 80))}
+    big = rng.normal(size=(200, 2, 80)).astype(">f8")
+    plain = TieredBuffer(BufferConfig.build(capacity=150, fields=fields))
+    packed = TieredBuffer(BufferConfig.build(capacity=150, fields=fields,
+                                             compression={"state": "zstd", "big": "lz4"}))
+    for lo in range(0, 200, 23):
+        for buf in (plain, packed):
+            buf.push_batch({"state": states[lo:lo + 23], "big": big[lo:lo + 23]})
+    got, want = packed.contents(), plain.contents()
+    for name in want:
+        assert got[name].dtype == want[name].dtype
+        assert got[name].tobytes() == want[name].tobytes()
+    same(plain.sample(40, 1), packed.sample(40, 1))
