@@ -288,16 +288,16 @@ def test_a_ring_in_a_file_grows_and_reopens(tmp_path):
 
 
 def test_reads_decompress_on_threads_and_raw_values_pass_through():
-    size = 2048
+    size = 64 << 10  # large values: (de)compressed on threads
     arena = Arena.in_memory(512, 512 * size, Codec("zstd", 3), size)
     rng = np.random.default_rng(1)
     values = rng.integers(0, 4, (300, size), np.uint8)
     values[::5] = rng.integers(0, 256, (60, size), np.uint8)  # raw
-    blobs = [arena.compress(v.tobytes()) for v in values]
+    blobs = arena.compress_many([v.tobytes() for v in values])  # on threads too
     assert sum(len(b) == size for b in blobs) == 60
     arena.write(0, arena.prepare(blobs, 0, 0, "x"))
     wanted = rng.permutation(300)[:200]
-    out = arena.read(wanted)  # 200 >= PARALLEL_MIN: on threads
+    out = arena.read(wanted)  # 200 >= PARALLEL_MIN values of PARALLEL_BYTES: on threads
     np.testing.assert_array_equal(out.reshape(200, size), values[wanted])
 
 

@@ -39,8 +39,9 @@ written with ``pwrite``: a disk that fills up fails the push with
 StorageFullError; a write through a mapping of a sparse file would raise
 SIGBUS), else into ``data``. Reads read ``data`` (the mapping, or RAM).
 
-**Reads** decompress each distinct blob once, on a few threads when there are
-many (both codecs release the GIL): :meth:`Arena.read`. The stored form of
+**Reads** decompress each distinct blob once (:meth:`Arena.read`), on a few
+threads when there are many large ones (both codecs release the GIL while they
+work; on small values the GIL's handoffs cost more: see ``PARALLEL_BYTES``). The stored form of
 blobs (:meth:`Arena.blob`) is the seam for sending them compressed over the
 wire, to be decompressed by the client.
 
@@ -67,9 +68,13 @@ LEN_DTYPE = np.dtype("<u4")
 SUM_DTYPE = np.dtype("<u4")
 INDEX_NBYTES = ID_DTYPE.itemsize + OFF_DTYPE.itemsize + LEN_DTYPE.itemsize
 _KEY = struct.Struct("<qqq")
-# Blobs decompressed on threads when a read has at least this many (and a thread has
-# at least half of it): below that, handing out the work costs more than it saves.
+# Values (de)compressed on threads when a call has at least this many (a thread at least
+# half of it), each of at least PARALLEL_BYTES: a thread releases the GIL only while it
+# (de)compresses one value, and on small values (an 84x84 frame: 1-3 us) the handoffs cost
+# more than a second core gives. Measured on Atari frames on the 2-core development
+# machine: two threads sampled at 0.5-0.9x of one, with stalls to 0.15x under load.
 PARALLEL_MIN = 64
+PARALLEL_BYTES = 64 << 10
 THREADS = int(os.environ.get("MILLPOND_DECOMPRESS_THREADS", 0)) or max(2, min(4, os.cpu_count() or 2))
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
@@ -179,7 +184,7 @@ class Arena:
     def compress_many(self, raws: list[bytes]) -> list[bytes]:
         """:meth:`compress` of each, on threads when they are many."""
         n = len(raws)
-        if n < PARALLEL_MIN or THREADS < 2:
+        if n < PARALLEL_MIN or THREADS < 2 or self.frame_nbytes < PARALLEL_BYTES:
             return [self.compress(raw) for raw in raws]
         count = min(THREADS, n // (PARALLEL_MIN // 2))
         bounds = [n * p // count for p in range(count + 1)]
@@ -288,7 +293,7 @@ class Arena:
         slots = frame_ids % self.capacity
         starts = (self.offs[slots] % self.lap).tolist()
         lengths = self.lens[slots].tolist()
-        if n < PARALLEL_MIN or THREADS < 2:
+        if n < PARALLEL_MIN or THREADS < 2 or self.frame_nbytes < PARALLEL_BYTES:
             parts = self._read(starts, lengths, 0, n)
         else:
             pool = _pool()
