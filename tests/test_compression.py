@@ -444,3 +444,29 @@ def test_float_fields_come_back_bit_for_bit():
         assert got[name].dtype == want[name].dtype
         assert got[name].tobytes() == want[name].tobytes()
     same(plain.sample(40, 1), packed.sample(40, 1))
+
+
+@pytest.mark.daemon
+def test_the_asyncio_client_creates_and_reads_compressed_buffers(tmp_path):
+    import asyncio
+
+    import millpond.aio as aio
+
+    rng = np.random.default_rng(6)
+    data = synthetic(rng, 150, shape=(32, 40))
+    names = ("obs", "next_obs", "terminated")
+    fields = fields_of(data, names)
+    local = TieredBuffer(BufferConfig.build(capacity=100, fields=fields))
+    local.push_batch(columns(data, 0, 150, names))
+
+    async def main():
+        async with aio.connect(server.address) as client:
+            buf = await client.create_buffer("px", capacity=100, fields=fields,
+                                             compression=("zstd", 1), **FRAMES)
+            await buf.push_batch(**columns(data, 0, 150, names))
+            assert (await buf.info()).config.compression == (("obs", "zstd", 1),)
+            got = await buf.sample(16, seed=2)
+            same(local.sample(16, 2), got)
+
+    with ServerProcess(tmp_path / "data") as server:
+        asyncio.run(asyncio.wait_for(main(), 60))
