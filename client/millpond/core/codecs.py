@@ -7,20 +7,21 @@ that made it had installed; the wheels are small and exist for CPython 3.10-3.13
 Linux, macOS and Windows):
 
 * ``"lz4"``, python-lz4's block format (``lz4.block``): the fastest to decompress
-  (about 3.5 us for an 84x84 Atari frame on the development machine) and to compress
-  (3-6 us), at a ratio of 17-30x on Atari frames. Levels: 0 (the default: LZ4's fast
-  mode), 1-12 (LZ4 HC: smaller, much slower pushes).
-* ``"zstd"``, python-zstandard (``zstandard``, the C backend): 1.5x smaller than lz4 on
-  Atari frames (25-45x) and about as fast to decompress at level 3 (4-7 us), slower to
-  compress (12-30 us a frame). Levels -7 to 22; default 3 (zstd's own default, which
-  on Atari frames decompresses faster than level 1).
+  (about 1 us for an 84x84 Atari frame on the 2-core development machine) and to
+  compress (3-6 us), at 17-30x on Atari frames (230-400 bytes a frame). Levels: 0 (the
+  default: LZ4's fast mode), 1-12 (LZ4 HC: a little smaller, much slower pushes).
+* ``"zstd"``, python-zstandard (``zstandard``, its C backend): 1.4-1.5x smaller than lz4
+  on Atari frames (155-290 bytes a frame), 2-4x slower to decompress (1.3-3.3 us) and
+  slower to compress (12-30 us a frame). Levels -7 to 22; default 3 (zstd's own; on
+  these frames levels 1 and 3 decompress alike, negative ones are larger and hardly
+  faster). So lz4 for the learner's speed, zstd for the most records in RAM.
 
-Both release the GIL while they (de)compress, so reads decompress on threads (see
-:mod:`.arena`). Both are maintained, with wheels for every CPython we support;
+Both release the GIL while they (de)compress, so large values are (de)compressed on
+threads (see :mod:`.arena`). Both are maintained, with wheels for every CPython we support;
 ``blosc2`` was set aside: it is a far larger dependency (its own array container and
 compute engine) for what are, here, single blobs of a few KB, where its shuffle filters
 gain nothing on uint8 pixels. The standard library's ``compression.zstd`` exists only
-from CPython 3.14. zlib (standard) is 5-10x slower to decompress than either.
+from CPython 3.14. zlib (standard) decompresses a Pong frame in about 15 us (10-15x lz4).
 
 Each value (a frame of a ``frame_stack``/``next_of`` field, or one record's value of
 another field) is compressed on its own, so any one can be read without its
