@@ -342,14 +342,29 @@ def test_a_daemon_serves_compressed_buffers_as_plain_ones_on_every_transport(ata
     local.close()
 
 
+def noise_records(n: int) -> dict[str, np.ndarray]:
+    """Records whose 4 KiB images do not compress (stored raw: the ring grows as it fills)."""
+    rng = np.random.default_rng(9)
+    return {"img": rng.integers(0, 256, (n, 64, 64), np.uint8), "a": np.arange(n),
+            "terminated": np.zeros(n, bool)}
+
+
 @pytest.mark.daemon
-def test_pushes_killed_mid_way_leave_exactly_the_records_pushed_before(atari, tmp_path):
-    """The daemon is SIGKILLed while a thread pushes Atari transitions into a buffer with
-    frames and compression: after the restart its records are the first ``pushed`` ones
-    (at least every acknowledged push), each exactly as pushed, and it carries on."""
-    data = atari["Pong"]
-    names = TRANSITION
-    kw = dict(hot_capacity=100, total_capacity=400, fields=fields_of(data), **COMBOS["frames+lz4"])
+@pytest.mark.parametrize("case", ["atari", "growing"])
+def test_pushes_killed_mid_way_leave_exactly_the_records_pushed_before(atari, tmp_path, case):
+    """The daemon is SIGKILLed while a thread pushes: Atari transitions into a buffer with
+    frames and compression, or incompressible images whose ring grows meanwhile. After
+    the restart its records are the first ``pushed`` ones (at least every acknowledged
+    push), each exactly as pushed, and it carries on."""
+    if case == "atari":
+        data = {name: atari["Pong"][name] for name in TRANSITION}
+        kw = dict(hot_capacity=100, total_capacity=400, fields=fields_of(data),
+                  **COMBOS["frames+lz4"])
+    else:
+        data = noise_records(1200)
+        kw = dict(hot_capacity=100, total_capacity=400, fields=fields_of(data, list(data)),
+                  compression="lz4")
+    names, total = list(data), len(data["a" if case == "growing" else "obs"])
     acked = [0]
     interrupted = 0
     for trial in range(3):
@@ -360,28 +375,31 @@ def test_pushes_killed_mid_way_leave_exactly_the_records_pushed_before(atari, tm
             acked[0] = start
 
             def pusher(buf=buf, start=start) -> None:
-                for lo in range(start, len(data["obs"]), 10):
+                for lo in range(start, total, 10):
                     try:
                         buf.push_batch(**columns(data, lo, lo + 10, names))
                     except millpond.ReplayError:
                         return
-                    acked[0] = min(lo + 10, len(data["obs"]))
+                    acked[0] = min(lo + 10, total)
 
             thread = threading.Thread(target=pusher)
             thread.start()
-            goal = start + 30 * (trial + 1)
+            goal = start + (30 if case == "atari" else 100) * (trial + 1)
             wait_until(lambda goal=goal: acked[0] >= goal, timeout=60)
             server.stop(signal.SIGKILL)
             thread.join(30)
             client.close()
         stored = TieredBuffer.open(tmp_path / "data" / "px.buffer")
         pushed, got = stored.pushed, stored.contents()
+        lap = stored._fifo.frames.rings[0].lap  # type: ignore[union-attr]
         stored.release()
         assert pushed >= acked[0]
-        interrupted += pushed < len(data["obs"])
+        interrupted += pushed < total
         lo = max(0, pushed - 400)
         same(got, columns(data, lo, pushed, names))
     assert interrupted, "the kills must land while pushes go on"
+    if case == "growing":
+        assert lap >= 2 << 20  # 400 live images of 4 KiB: grown from its first MiB
 
 
 @pytest.mark.daemon
