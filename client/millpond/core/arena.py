@@ -109,15 +109,28 @@ def place(end: int, nbytes: int, sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
+def _base(frame_nbytes: int) -> int:
+    return max(1 << 20, 16 * frame_nbytes)  # the least first size: 1 MiB, or 16 values
+
+
+def ring_limit(nbytes: int, frame_nbytes: int) -> int:
+    """The size a ring asked to hold ``nbytes`` may grow to: ``nbytes`` rounded up to a
+    multiple of ``2**k``, the most halvings that leave at least the first size (see
+    :func:`first_lap`): by less than a millionth of it."""
+    base = _base(frame_nbytes)
+    if nbytes <= base:
+        return nbytes
+    step = 1 << ((nbytes // base).bit_length() - 1)
+    return -(-nbytes // step) * step
+
+
 def first_lap(limit: int, frame_nbytes: int) -> int:
-    """The ring's size when it is made: 1 MiB or 16 values if more, a power of two,
-    at most ``limit``."""
-    return min(max_lap(limit), 1 << max(20, (16 * frame_nbytes - 1).bit_length()))
-
-
-def max_lap(limit: int) -> int:
-    """The largest ring of at most ``limit`` bytes (a power of two)."""
-    return 1 << (limit.bit_length() - 1)
+    """The ring's size when it is made: ``limit`` halved while it halves evenly and stays
+    at least 1 MiB (or 16 values), so that doublings lead to ``limit`` exactly."""
+    base, lap = _base(frame_nbytes), limit
+    while lap % 2 == 0 and lap // 2 >= base:
+        lap //= 2
+    return lap
 
 
 class Prepared:
@@ -135,8 +148,9 @@ class Arena:
     ``lens``; ``sums`` in a persistent file), its ``codec`` and the values' size
     ``frame_nbytes``.
 
-    **Size.** The ring is ``lap`` bytes, a power of two, and grows (doubles) when a
-    push does not fit, up to ``limit`` bytes (``compressed_bytes``): a blob never
+    **Size.** The ring is ``lap`` bytes and grows (doubles) when a push does not fit,
+    up to ``limit`` bytes (``compressed_bytes``, see :func:`ring_limit`), a power of
+    two times its first size (:func:`first_lap`): a blob never
     straddles a multiple of a lap, so after doubling each live blob is where it was
     or ``lap`` bytes further, and the blobs that move are one contiguous run of the
     old ring, copied (into bytes no live blob uses) before the new size is adopted
@@ -151,18 +165,21 @@ class Arena:
         self.data, self.ids, self.offs, self.lens, self.sums = data, ids, offs, lens, sums
         self.codec = codec
         self.frame_nbytes = frame_nbytes
-        self.limit = max_lap(len(data) if limit is None else limit)
+        self.limit = len(data) if limit is None else limit
         self.capacity = len(ids)
         self.writer = writer
         self.lap_store = lap_store
         stored = 0 if lap_store is None else int(lap_store[0])
-        self.lap = stored or lap or min(max_lap(len(data)), first_lap(self.limit, frame_nbytes))
+        self.lap = stored or lap or first_lap(self.limit, frame_nbytes)
+        ratio = self.limit // self.lap
+        if self.limit % self.lap or ratio & (ratio - 1):
+            raise ValueError(f"a ring of {self.lap} bytes cannot double to {self.limit}")
         self.end = 0  # the logical offset of the next blob
 
     @classmethod
     def in_memory(cls, capacity: int, limit: int, codec: Codec, frame_nbytes: int,
                   lap: int | None = None) -> "Arena":
-        """A ring in RAM of at most ``limit`` bytes, ``lap`` (a power of two; default
+        """A ring in RAM of at most ``limit`` bytes, ``lap`` (``limit`` halved evenly; default
         :func:`first_lap`) to begin with."""
         lap = lap or first_lap(limit, frame_nbytes)
         return cls(np.empty(lap, np.uint8), np.full(capacity, -1, ID_DTYPE),

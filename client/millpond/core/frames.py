@@ -60,7 +60,7 @@ the window's frames, kept in RAM (at most ``RAW_CACHE_BYTES``); a compressed
 field without frame options is a group of its own (one value per record, ids
 ``int64[1]`` in the records, no lookups). Reads decompress each distinct frame of
 a call once, for all the group's fields (``obs`` and ``next_obs`` share them).
-The ring grows (doubling, from 1 MiB) as the live records need, up to
+The ring grows (doubling, from 1-2 MiB) as the live records need, up to
 ``compressed_bytes`` (default: its frames' plain bytes, so that it takes whatever
 a plain ring would): RAM and the file's (sparse) pages follow what is stored.
 Besides ``frame_capacity``, a push must fit its bytes in that limit
@@ -80,7 +80,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from millpond.core.arena import ID_DTYPE, LEN_DTYPE, OFF_DTYPE, Arena, max_lap
+from millpond.core.arena import ID_DTYPE, LEN_DTYPE, OFF_DTYPE, Arena, ring_limit
 from millpond.core.checksum import CHECKSUM_DTYPE, record_checksums
 from millpond.core.codecs import codec
 from millpond.core.schema import Field, Schema
@@ -256,19 +256,19 @@ def stored_schema(schema: Schema, groups: tuple[FrameGroup, ...]) -> Schema:
 
 def default_compressed_bytes(group: FrameGroup, capacity: int) -> int:
     """The most bytes a compressed ring may grow to when none are given: the plain
-    bytes of its ``capacity`` frames, rounded up to a power of two, so that it takes
-    every push a plain ring would, whatever the data. It grows from 1 MiB as the live
-    records need (see :class:`.arena.Arena`): its RAM and file pages follow what is
-    stored (the file's region is sparse)."""
-    return 1 << (capacity * group.frame_nbytes - 1).bit_length()
+    bytes of its ``capacity`` frames, so that it takes every push a plain ring would,
+    whatever the data. It grows from 1-2 MiB as the live records need (see
+    :class:`.arena.Arena`): its RAM and file pages follow what is stored (the file's
+    region is sparse)."""
+    return capacity * group.frame_nbytes
 
 
 def arena_nbytes(group: FrameGroup, capacity: int, compressed_bytes: int | None) -> int:
-    """The limit of a compressed group's ring: ``compressed_bytes`` rounded down to a
-    power of two, or the default."""
+    """The limit of a compressed group's ring: ``compressed_bytes`` (or the default),
+    rounded up by a hair (:func:`.arena.ring_limit`)."""
     if compressed_bytes is None:
-        return default_compressed_bytes(group, capacity)
-    return max_lap(compressed_bytes)
+        compressed_bytes = default_compressed_bytes(group, capacity)
+    return ring_limit(compressed_bytes, group.frame_nbytes)
 
 
 def frame_regions(groups: tuple[FrameGroup, ...], capacity: int, checksums: bool,
