@@ -374,10 +374,10 @@ def test_a_format_4_file_with_a_damaged_commit_slot_is_refused_unless_accepted(t
 def test_a_file_of_an_unknown_format_names_the_versions_read(tmp_path):
     path = small_file(tmp_path)
     raw = bytearray(path.read_bytes())
-    struct.pack_into("<I", raw, 8, 7)
+    struct.pack_into("<I", raw, 8, 8)
     path.write_bytes(bytes(raw))
     with pytest.raises(millpond.CorruptFileError,
-                       match=r"format version 7; millpond \S+ reads versions 4 to 6 \(a newer"):
+                       match=r"format version 8; millpond \S+ reads versions 4 to 7 \(a newer"):
         TieredBuffer.open(path)
 
 

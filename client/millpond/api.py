@@ -186,6 +186,11 @@ class ReplayBuffer(Buffer):
       push time; reads return exactly what was pushed. ``frame_capacity``:
       frames kept per source field (see :mod:`millpond.core.frames`; a push
       that does not fit raises StorageFullError).
+    * ``compression="zstd"`` or ``"lz4"`` (or per field, with a level:
+      ``{"obs": ("zstd", 5)}``): fields of at least 1 KiB per value (per frame,
+      with ``frame_stack``/``next_of``) are stored compressed, in RAM and in
+      the file; ``compressed_bytes`` bounds each compressed field's ring (see
+      :mod:`millpond.core.codecs` and :mod:`millpond.core.arena`).
     """
 
     def __init__(
@@ -207,6 +212,8 @@ class ReplayBuffer(Buffer):
         frame_stack: Mapping[str, int] | None = None,
         next_of: Mapping[str, str] | None = None,
         frame_capacity: int | None = None,
+        compression: str | Mapping[str, Any] | None = None,
+        compressed_bytes: int | None = None,
         create: bool | None = None,
         wait_for_server: bool = True,
     ):
@@ -214,7 +221,8 @@ class ReplayBuffer(Buffer):
             capacity=capacity, obs_dim=obs_dim, act_dim=act_dim, fields=fields, mode=mode,
             max_times_sampled=max_times_sampled, rate_limiter=rate_limiter, episodes=episodes,
             meta_fields=meta_fields,
-            frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity)
+            frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity,
+            compression=compression, compressed_bytes=compressed_bytes)
         super().__init__(_backend(config, address, name, token=token,
                                   max_in_flight=max_in_flight, create=create,
                                   wait_for_server=wait_for_server))
@@ -253,6 +261,8 @@ class MmapReplayBuffer(Buffer):
         frame_stack: Mapping[str, int] | None = None,
         next_of: Mapping[str, str] | None = None,
         frame_capacity: int | None = None,
+        compression: str | Mapping[str, Any] | None = None,
+        compressed_bytes: int | None = None,
         create: bool | None = None,
         wait_for_server: bool = True,
     ):
@@ -260,7 +270,8 @@ class MmapReplayBuffer(Buffer):
             hot_capacity=hot_capacity, total_capacity=total_capacity, obs_dim=obs_dim,
             act_dim=act_dim, fields=fields, mode=mode, max_times_sampled=max_times_sampled,
             rate_limiter=rate_limiter, episodes=episodes, meta_fields=meta_fields,
-            frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity)
+            frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity,
+            compression=compression, compressed_bytes=compressed_bytes)
         super().__init__(_backend(config, address, name, cold_path, persistent, token,
                                   max_in_flight, create, wait_for_server))
 
@@ -336,6 +347,8 @@ class PrioritizedReplayBuffer(PrioritizedBuffer):
         frame_stack: Mapping[str, int] | None = None,
         next_of: Mapping[str, str] | None = None,
         frame_capacity: int | None = None,
+        compression: str | Mapping[str, Any] | None = None,
+        compressed_bytes: int | None = None,
         create: bool | None = None,
         wait_for_server: bool = True,
     ):
@@ -344,7 +357,8 @@ class PrioritizedReplayBuffer(PrioritizedBuffer):
             obs_dim=obs_dim, act_dim=act_dim, fields=fields, prioritized=True, alpha=alpha,
             beta=beta, max_times_sampled=max_times_sampled, rate_limiter=rate_limiter,
             episodes=episodes, meta_fields=meta_fields,
-            frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity)
+            frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity,
+            compression=compression, compressed_bytes=compressed_bytes)
         super().__init__(_backend(config, address, name, cold_path, token=token,
                                   max_in_flight=max_in_flight, create=create,
                                   wait_for_server=wait_for_server))

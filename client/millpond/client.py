@@ -98,6 +98,8 @@ class BufferClient:
         frame_stack: Mapping[str, int] | None = None,
         next_of: Mapping[str, str] | None = None,
         frame_capacity: int | None = None,
+        compression: str | Mapping[str, Any] | None = None,
+        compressed_bytes: int | None = None,
     ) -> Buffer:
         """Create the buffer ``name``, or attach to it if it exists with this config.
 
@@ -108,7 +110,8 @@ class BufferClient:
         ``prioritized=True`` makes a proportional prioritized buffer with
         ``alpha`` and ``beta`` (see :class:`millpond.PrioritizedReplayBuffer`).
         ``mode``, ``max_times_sampled``, ``rate_limiter``, ``episodes``,
-        ``meta_fields``, ``frame_stack``, ``next_of`` and ``frame_capacity``: see
+        ``meta_fields``, ``frame_stack``, ``next_of``, ``frame_capacity``,
+        ``compression`` and ``compressed_bytes``: see
         :class:`millpond.ReplayBuffer`. An existing buffer with another config
         raises ConfigMismatchError.
 
@@ -123,7 +126,8 @@ class BufferClient:
             max_times_sampled=max_times_sampled, rate_limiter=rate_limiter,
             prioritized=prioritized, alpha=alpha, beta=beta, episodes=episodes,
             meta_fields=meta_fields,
-            frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity)
+            frame_stack=frame_stack, next_of=next_of, frame_capacity=frame_capacity,
+            compression=compression, compressed_bytes=compressed_bytes)
         return handle_for(self.remote_buffer(name, config))
 
 

@@ -24,7 +24,9 @@ min_size_to_sample = 1000, error_buffer = 100 }`` (``error_buffer`` may be
 ``MinSize(min_size_to_sample)``), ``episodes = true`` with optional
 ``[buffers.meta_fields]`` (``task_id = { dtype = "int64" }``, as fields);
 ``frame_stack = { obs = 0 }``, ``next_of = { next_obs = "obs" }`` and
-``frame_capacity`` (frames stored once: see :mod:`millpond.core.frames`).
+``frame_capacity`` (frames stored once: see :mod:`millpond.core.frames`);
+``compression = "zstd"`` (or ``"lz4"``, or ``{ obs = ["zstd", 5] }`` per field) and
+``compressed_bytes`` (large fields compressed: see :mod:`millpond.core.codecs`).
 
 Offline datasets served read-only (as ``--dataset NAME=PATH``; a relative
 path is relative to the TOML file)::
@@ -108,7 +110,8 @@ def load_datasets(path: Path) -> list[DatasetSpec]:
 
 _BUFFER_KEYS = {"name", "hot_capacity", "total_capacity", "capacity", "obs_dim", "act_dim", "fields",
                 "mode", "max_times_sampled", "prioritized", "rate_limiter", "episodes",
-                "meta_fields", "frame_stack", "next_of", "frame_capacity"}
+                "meta_fields", "frame_stack", "next_of", "frame_capacity", "compression",
+                "compressed_bytes"}
 
 
 def load_buffers(path: Path) -> list[BufferSpec]:
@@ -171,7 +174,8 @@ def _buffer_spec(table: dict, where: str) -> BufferSpec:
             meta_fields=(_fields(table["meta_fields"], where, "meta field")
                          if "meta_fields" in table else None),
             frame_stack=table.get("frame_stack"), next_of=table.get("next_of"),
-            frame_capacity=table.get("frame_capacity"))
+            frame_capacity=table.get("frame_capacity"), compression=table.get("compression"),
+            compressed_bytes=table.get("compressed_bytes"))
     except (InvalidConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
     return BufferSpec(name, config)

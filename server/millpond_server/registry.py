@@ -505,8 +505,8 @@ def _probe(name: str, path: Path) -> HeldBuffer | None:
     if version not in SERVED_VERSIONS:
         return HeldBuffer(name, path, UNKNOWN_FORMAT,
                           f"{path} has buffer file format version {version}; this millpond "
-                          f"reads version {FORMAT_VERSION} (and {SERVED_VERSIONS[-1]}, with "
-                          "frame regions) only")
+                          f"reads version {FORMAT_VERSION} (and 6 and {SERVED_VERSIONS[-1]}, "
+                          "with frame regions) only")
     return None
 
 

@@ -236,6 +236,8 @@ class AsyncClient:
         frame_stack: Mapping[str, int] | None = None,
         next_of: Mapping[str, str] | None = None,
         frame_capacity: int | None = None,
+        compression: str | Mapping[str, Any] | None = None,
+        compressed_bytes: int | None = None,
     ) -> AsyncBuffer:
         """Create the buffer ``name``, or attach to it if it exists with this config; the
         arguments are :meth:`millpond.Client.create_buffer`'s. An existing buffer with
@@ -247,7 +249,8 @@ class AsyncClient:
             max_times_sampled=max_times_sampled, rate_limiter=rate_limiter,
             prioritized=prioritized, alpha=alpha, beta=beta, episodes=episodes,
             meta_fields=meta_fields, frame_stack=frame_stack, next_of=next_of,
-            frame_capacity=frame_capacity)
+            frame_capacity=frame_capacity, compression=compression,
+            compressed_bytes=compressed_bytes)
         info, created = await self.grpc.create(name, config, self.timeout)
         return handle_for(self, name, info, owner=created)
 

@@ -51,6 +51,17 @@ metadata also record those options and the fields as pushed (``"fields"``; its
 ``"schema"`` is what the tiers hold). Only such buffers write it: every other
 buffer's file is format 5, byte for byte as before.
 
+Format version 7 is format 6 with compressed frame rings (``compression``: see
+:mod:`.codecs` and :mod:`.arena`): regions ``framebytes:<source>`` (the ring of
+bytes), ``frameoff:``/``framelen:`` (each frame's offset and length),
+``framelap:`` (the ring's size now: it grows up to its region's) beside
+``frameid:`` and ``framesum:`` (then the crc32 of each stored blob), and the
+option in the metadata. Only buffers with compression write it. The rings of
+bytes come last in the file and are left *sparse* (``ftruncate``, not
+allocated): the file takes on disk what has been written to them, not their
+size, and they are written with ``pwrite`` (a full disk fails that push with
+StorageFullError; a write through the mapping into a hole would raise SIGBUS).
+
 Format version 4 (millpond 0.1.0's first files) is still read and served as
 it is: its 16-bit checksum (:mod:`.checksum_v4`), no metadata checksum, no
 spare slots (a push commits in three steps), and commit slots written one
@@ -71,13 +82,14 @@ once; nothing is remapped or synced per sample.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
 import secrets
 import struct
 import zlib
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -94,12 +106,21 @@ from millpond.core.fileops import (
 from millpond.core.memory import keep_resident
 from millpond.core.schema import Schema
 from millpond.core.tier import CHECKSUM_REGION, SEQ_DTYPE, SEQ_REGION, Checksums, Tier
-from millpond.errors import CorruptFileError, FileConflictError, InvalidConfigError
+from millpond.errors import (
+    CorruptFileError,
+    FileConflictError,
+    InvalidConfigError,
+    StorageFullError,
+    StorageIOError,
+)
 
 MAGIC = b"MILLPOND"
 FORMAT_VERSION = 5  # the format of files without frame regions
 FRAMES_VERSION = 6  # format 5 with frame regions (see the module doc)
-SERVED_VERSIONS = (FORMAT_VERSION, FRAMES_VERSION)  # what a daemon serves
+COMPRESSED_VERSION = 7  # format 6 with compressed frame rings (see the module doc)
+NEWEST_VERSION = COMPRESSED_VERSION
+SERVED_VERSIONS = (FORMAT_VERSION, FRAMES_VERSION, COMPRESSED_VERSION)  # what a daemon serves
+SPARSE_PREFIX = "framebytes:"  # regions left sparse (the last ones of a file)
 OLDEST_VERSION = 4  # the oldest format this millpond reads
 CHECKSUM_NAME = "mix32"  # the record checksum of format 5 (see .checksum)
 PAGE = mmap.PAGESIZE
@@ -141,6 +162,7 @@ FORMATS = {
     4: Format(4, checksum_v4.CHECKSUM_DTYPE, checksum_v4.record_checksums, False),
     5: Format(5, checksum.CHECKSUM_DTYPE, checksum.record_checksums, True),
     6: Format(6, checksum.CHECKSUM_DTYPE, checksum.record_checksums, True),
+    7: Format(7, checksum.CHECKSUM_DTYPE, checksum.record_checksums, True),
 }
 Regions = Mapping[str, tuple[str, tuple[int, ...]]]  # extra regions: {name: (dtype, shape)}
 
@@ -215,6 +237,15 @@ def _region_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
+def _version_of(frame_regions: Mapping | None) -> int:
+    """The format of a file with these frame regions (see the module doc)."""
+    if not frame_regions:
+        return FORMAT_VERSION
+    if any(name.startswith(SPARSE_PREFIX) for name in frame_regions):
+        return COMPRESSED_VERSION
+    return FRAMES_VERSION
+
+
 def _slot_crc(*counters: int) -> int:
     return zlib.crc32(_COUNTERS.pack(*counters))
 
@@ -282,6 +313,29 @@ class BufferFile:
         """The writable mapped frame region ``name`` (format 6), or None."""
         return self._frame_regions.get(name)
 
+    def region_writer(self, name: str) -> Callable[[int, bytes], None]:
+        """A function writing bytes at an offset of region ``name`` with ``pwrite``
+        (a sparse region: see the module doc): StorageFullError when the disk is full,
+        StorageIOError when the write fails otherwise."""
+        start, nbytes = self.meta["regions"][name]
+        fd, path = self._fd, self.path
+
+        def write(offset: int, data: bytes) -> None:
+            if offset < 0 or offset + len(data) > nbytes:
+                raise ValueError(f"a write of {len(data)} bytes at {offset} outside region "
+                                 f"{name!r}")
+            view = memoryview(data)
+            done = 0
+            try:
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], start + offset + done)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise StorageFullError(f"the disk of buffer file {path} is full: "
+                                           f"{os.strerror(exc.errno)}") from exc
+                raise StorageIOError(f"write to {path} failed: {exc}") from exc
+        return write
+
     def slot_array(self, name: str) -> np.ndarray | None:
         """The writable mapped array ``name`` (one element per slot), or None if the file has none."""
         return self._slot_arrays.get(name)
@@ -310,16 +364,21 @@ class BufferFile:
         """
         header, meta, size = _plan(schema, hot_capacity, total_capacity, persistent, extra_meta,
                                    slot_arrays, frame_regions)
-        version = FRAMES_VERSION if frame_regions else FORMAT_VERSION
+        version = _version_of(frame_regions)
+        sparse = [offset for name, (offset, _) in meta["regions"].items()
+                  if name.startswith(SPARSE_PREFIX)]
+        dense = min(sparse, default=size)  # what is allocated: the sparse regions come last
         directory, base = os.path.split(os.path.abspath(path))
-        check_free_space(directory, size, path)
+        check_free_space(directory, dense, path)
         temp = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
         try:
             fd = os.open(temp, CREATE_FLAGS, 0o600)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
             raise InvalidConfigError(f"cannot create buffer file {path}: {exc.strerror}") from exc
         try:
-            allocate(fd, size, path)
+            allocate(fd, dense, path)
+            if dense < size:
+                os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
@@ -482,11 +541,11 @@ def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema, int]:
     if magic != MAGIC:
         raise CorruptFileError(f"{path}: not a millpond buffer file (bad magic)")
     if version not in FORMATS:
-        newer = "a newer millpond made it: serve it with that one" if version > FRAMES_VERSION \
+        newer = "a newer millpond made it: serve it with that one" if version > NEWEST_VERSION \
             else "the header is damaged, or a millpond too old to be read made it"
         raise CorruptFileError(
             f"{path}: format version {version}; millpond {_version()} reads versions "
-            f"{OLDEST_VERSION} to {FRAMES_VERSION} ({newer})")
+            f"{OLDEST_VERSION} to {NEWEST_VERSION} ({newer})")
     if not _JSON_OFFSET + length <= header <= len(mm):
         raise CorruptFileError(f"{path}: damaged header (metadata length {length})")
     if Format.of(version).checked_header:
@@ -512,7 +571,7 @@ def _read_meta(mm: mmap.mmap, path: str) -> tuple[dict, Schema, int]:
         if version >= 5 and meta.get("checksum") != CHECKSUM_NAME:
             raise ValueError(f"record checksum {meta.get('checksum')!r}")
         frame_regions = meta.get("frame_regions", {})
-        if bool(frame_regions) != (version >= FRAMES_VERSION):
+        if _version_of(frame_regions) != max(version, FORMAT_VERSION):  # (4: none)
             raise ValueError(f"format {version} with frame regions {sorted(frame_regions)}")
         for name, (dtype, shape) in frame_regions.items():
             if regions[name][1] != _region_nbytes(dtype, shape):

@@ -83,7 +83,12 @@ class BufferConfig:
       field}``): frames stored once (see :mod:`.frames`); ``frame_capacity``
       frames in the frame store of each source field (None: the default,
       :func:`.frames.default_frame_capacity`). Normalized to sorted tuples of
-      pairs and a number (None without these options).
+      pairs and a number (None without these options);
+    * ``compression`` (``"zstd"``, ``"lz4"``, or per field, with levels: see
+      :mod:`.codecs`): large fields stored compressed, each in a ring of
+      ``compressed_bytes`` bytes (None: the default, see
+      :func:`.frames.default_compressed_bytes`; see :mod:`.arena`). Normalized
+      to a sorted tuple of ``(field, codec, level)`` (empty: nothing compressed).
 
     Construction validates and normalizes, so equal buffers have equal
     configs (compare with ``==``; ``beta`` excepted, see :class:`Prioritized`).
@@ -101,6 +106,8 @@ class BufferConfig:
     frame_stack: Any = ()
     next_of: Any = ()
     frame_capacity: int | None = None
+    compression: Any = ()
+    compressed_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.schema, Schema):
@@ -134,15 +141,40 @@ class BufferConfig:
             if self.mode != "replay":
                 raise InvalidConfigError("a prioritized buffer samples in mode='replay' only")
         self._check_episodes()
-        from millpond.core.frames import check_frame_options  # (it imports this module)
-        stack, nexts, frame_capacity = check_frame_options(
-            self.schema, total, self.frame_stack, self.next_of, self.frame_capacity)
+        # (these modules import this one)
+        from millpond.core.codecs import check_compression
+        from millpond.core.frames import check_frame_options, compression_units
+        stack, nexts, _ = check_frame_options(self.schema, total, self.frame_stack, self.next_of,
+                                              None)
+        compression = check_compression(self.compression,
+                                        *compression_units(self.schema, dict(stack), dict(nexts)))
+        _, _, frame_capacity = check_frame_options(
+            self.schema, total, self.frame_stack, self.next_of, self.frame_capacity,
+            compressed=bool(compression))
+        object.__setattr__(self, "compression", compression)
         object.__setattr__(self, "frame_stack", stack)
         object.__setattr__(self, "next_of", nexts)
         object.__setattr__(self, "frame_capacity", frame_capacity)
+        object.__setattr__(self, "compressed_bytes",
+                           self._check_compressed_bytes(bool(compression)))
         for name, value in (("hot_capacity", hot), ("total_capacity", total),
                             ("max_times_sampled", limit), ("rate_limiter", limiter)):
             object.__setattr__(self, name, value)
+
+    def _check_compressed_bytes(self, compressed: bool) -> int | None:
+        value = self.compressed_bytes
+        if value is None:
+            return None
+        if not compressed:
+            raise InvalidConfigError("compressed_bytes is for buffers with compression")
+        if not is_integral(value) or isinstance(value, bool) or not 0 < value <= 2**46:
+            raise InvalidConfigError(f"compressed_bytes must be a positive integer, got {value!r}")
+        largest = max(g.frame_nbytes for g in self.frame_groups if g.codec is not None)
+        if value < 4 * largest:
+            raise InvalidConfigError(
+                f"compressed_bytes {value:,} cannot hold even a few values of {largest:,} bytes "
+                f"(at least {4 * largest:,})")
+        return int(value)
 
     def _check_episodes(self) -> None:
         if not isinstance(self.episodes, bool):
@@ -191,6 +223,8 @@ class BufferConfig:
         frame_stack: Any = None,
         next_of: Any = None,
         frame_capacity: Any = None,
+        compression: Any = None,
+        compressed_bytes: Any = None,
     ) -> "BufferConfig":
         """The config for the arguments users give (constructors, ``create_buffer``, TOML).
 
@@ -201,7 +235,8 @@ class BufferConfig:
         (the reference's transitions). ``prioritized=True`` uses ``alpha``
         and ``beta``. ``meta_fields``: ``{name: (dtype, shape)}``, a bare
         dtype meaning a scalar (``{"task_id": "int64"}``), or a Schema.
-        ``frame_stack``, ``next_of``, ``frame_capacity``: see :mod:`.frames`.
+        ``frame_stack``, ``next_of``, ``frame_capacity``: see :mod:`.frames`;
+        ``compression``, ``compressed_bytes``: see :mod:`.codecs` and :mod:`.arena`.
         """
         hot, total = resolve_capacities(capacity, hot_capacity, total_capacity)
         if isinstance(rate_limiter, Mapping):  # RateLimiter.to_dict()'s form
@@ -212,7 +247,8 @@ class BufferConfig:
             prioritized = None
         return cls(Schema.resolve(obs_dim, act_dim, fields), hot, total, mode,
                    max_times_sampled, rate_limiter, prioritized, episodes,
-                   meta_schema(meta_fields), frame_stack or (), next_of or (), frame_capacity)
+                   meta_schema(meta_fields), frame_stack or (), next_of or (), frame_capacity,
+                   compression or (), compressed_bytes)
 
     # ---- derived values --------------------------------------------------------------
 
@@ -229,7 +265,8 @@ class BufferConfig:
     def frame_groups(self) -> "tuple[FrameGroup, ...]":
         """The groups of fields whose frames are stored once (empty: a plain buffer)."""
         from millpond.core.frames import frame_groups
-        return frame_groups(self.schema, dict(self.frame_stack), dict(self.next_of))
+        return frame_groups(self.schema, dict(self.frame_stack), dict(self.next_of),
+                            {field: (name, level) for field, name, level in self.compression})
 
     @functools.cached_property
     def stored_schema(self) -> Schema:
@@ -276,10 +313,14 @@ class BufferConfig:
         (the file's ``schema`` is :attr:`stored_schema`)."""
         if not self.frame_groups:
             return {}
-        return {"frame_stack": dict(self.frame_stack), "next_of": dict(self.next_of),
+        meta: dict[str, Any] = {"frame_stack": dict(self.frame_stack), "next_of": dict(self.next_of),
                 "frame_capacity": self.frame_capacity,
                 "fields": {name: [dt, list(shape)]
                            for name, (dt, shape) in self.schema.spec().items()}}
+        if self.compression:  # (format 7: see .bufferfile)
+            meta["compression"] = [list(item) for item in self.compression]
+            meta["compressed_bytes"] = self.compressed_bytes
+        return meta
 
     @classmethod
     def from_file_meta(cls, meta: Mapping[str, Any], schema: Schema) -> "BufferConfig":
@@ -295,7 +336,9 @@ class BufferConfig:
                    prioritized and Prioritized(prioritized["alpha"], prioritized["beta"]),
                    meta.get("episodes", False), meta_schema(meta.get("meta_fields")),
                    meta.get("frame_stack") or (), meta.get("next_of") or (),
-                   meta.get("frame_capacity"))
+                   meta.get("frame_capacity"),
+                   tuple(tuple(item) for item in meta.get("compression") or ()),
+                   meta.get("compressed_bytes"))
 
 
 class ConfigAccessors:

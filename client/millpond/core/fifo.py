@@ -236,9 +236,8 @@ class Fifo:
         stored = {name: np.empty((len(seqs),) + self.stored[name].shape, self.stored[name].dtype)
                   if name in frames.group_of else array for name, array in out.items()}
         self._gather(seqs, stored, hot_first)
-        for name in out:
-            if name in frames.group_of:
-                frames.decode(name, stored[name], out[name])
+        frames.decode_fields({name: (stored[name], out[name]) for name in out
+                              if name in frames.group_of})
         return dict(out)
 
     def _gather(self, seqs: np.ndarray, out: Mapping[str, np.ndarray],
@@ -269,13 +268,15 @@ class Fifo:
         stored = self._gather_rows(seqs, names, {name: array for name, array in (out or {}).items()
                                                  if name not in frames.group_of} or None,
                                    self.stored)
+        decoding = {}
         for name in coded:
             field = self.schema[name]
             array = (np.empty(seqs.shape + field.shape, field.dtype) if out is None
                      else out[name])
             flat = stored[name].reshape(-1, self.stored[name].shape[0])
-            frames.decode(name, flat, array.reshape((len(flat),) + field.shape))
+            decoding[name] = (flat, array.reshape((len(flat),) + field.shape))
             stored[name] = array
+        frames.decode_fields(decoding)
         return {name: stored[name] for name in names}
 
     def stored_rows(self, seqs: np.ndarray, names: Sequence[str]) -> dict[str, np.ndarray]:

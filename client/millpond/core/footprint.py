@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from millpond.core.arena import INDEX_NBYTES, first_lap
 from millpond.core.bufferfile import BufferFile, spare_slots
 from millpond.core.checksum import CHECKSUM_DTYPE
 from millpond.core.config import BufferConfig
 from millpond.core.draw import COUNT_ARRAYS, strategy_arrays
 from millpond.core.episodes import episode_arrays
-from millpond.core.frames import Frames, frame_regions
+from millpond.core.frames import Frames, arena_nbytes, frame_regions
 from millpond.core.sumtree import tree_nbytes
 from millpond.core.tier import SEQ_DTYPE
 
@@ -44,7 +45,8 @@ def frame_regions_for(config: BufferConfig, persistent: bool) -> dict | None:
     if not config.frame_groups:
         return None
     assert config.frame_capacity is not None
-    return frame_regions(config.frame_groups, config.frame_capacity, persistent)
+    return frame_regions(config.frame_groups, config.frame_capacity, persistent,
+                         config.compressed_bytes)
 
 
 def frames_for(config: BufferConfig, file: BufferFile | None) -> Frames | None:
@@ -52,9 +54,9 @@ def frames_for(config: BufferConfig, file: BufferFile | None) -> Frames | None:
     if not config.frame_groups:
         return None
     if file is not None:
-        return Frames.in_file(config.frame_groups, file.frame_region)
+        return Frames.in_file(config.frame_groups, file.frame_region, file.region_writer)
     assert config.frame_capacity is not None
-    return Frames.in_memory(config.frame_groups, config.frame_capacity)
+    return Frames.in_memory(config.frame_groups, config.frame_capacity, config.compressed_bytes)
 
 
 def side_nbytes(config: BufferConfig, persistent: bool) -> int:
@@ -63,7 +65,12 @@ def side_nbytes(config: BufferConfig, persistent: bool) -> int:
     needed = 0
     if config.frame_groups and not persistent and config.cold_capacity == 0:
         assert config.frame_capacity is not None
-        needed += config.frame_capacity * sum(g.frame_nbytes + 8 for g in config.frame_groups)
+        # A compressed ring grows with what is stored (see .arena): its first size here.
+        needed += sum(config.frame_capacity * (g.frame_nbytes + 8) if g.codec is None else
+                      first_lap(arena_nbytes(g, config.frame_capacity, config.compressed_bytes),
+                                g.frame_nbytes)
+                      + config.frame_capacity * INDEX_NBYTES
+                      for g in config.frame_groups)
     if config.prioritized is not None or config.max_times_sampled:
         needed += tree_nbytes(config.total_capacity)
     if not persistent:  # draw counts and episodes in RAM (priorities: only in the tree)

@@ -51,6 +51,22 @@ frames are live (:meth:`Frames.restore`) and each is checked
 (:meth:`Frames.damaged`); frames written by a push that never committed lie
 past every live id and are overwritten.
 
+**Compression** (``compression=``, see :mod:`.codecs`): a compressed group keeps
+its frames in an :class:`.arena.Arena` instead of a :class:`Ring`: each frame
+compressed on its own, in a FIFO ring of bytes with each id's offset and length
+(frames are written in id order and freed from the head in id order, so no
+allocator is needed). Sharing works as before, looked up among the raw bytes of
+the window's frames, kept in RAM (at most ``RAW_CACHE_BYTES``); a compressed
+field without frame options is a group of its own (one value per record, ids
+``int64[1]`` in the records, no lookups). Reads decompress each distinct frame of
+a call once, for all the group's fields (``obs`` and ``next_obs`` share them).
+The ring grows (doubling, from 1-2 MiB) as the live records need, up to
+``compressed_bytes`` (default: its frames' plain bytes, so that it takes whatever
+a plain ring would): RAM and the file's (sparse) pages follow what is stored.
+Besides ``frame_capacity``, a push must fit its bytes in that limit
+(StorageFullError otherwise, nothing written). Files with compressed groups are
+format 7 (see :mod:`.bufferfile`).
+
 Not thread-safe: the buffer holds its lock around every call.
 """
 
@@ -64,14 +80,20 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from millpond.core.arena import ID_DTYPE, LEN_DTYPE, OFF_DTYPE, Arena, ring_limit
 from millpond.core.checksum import CHECKSUM_DTYPE, record_checksums
+from millpond.core.codecs import codec
 from millpond.core.schema import Field, Schema
 from millpond.errors import InvalidConfigError, StorageFullError
 
-ID_DTYPE = np.dtype("<i8")
 FRAMES_PREFIX = "frames:"
 FRAME_ID_PREFIX = "frameid:"
 FRAME_SUM_PREFIX = "framesum:"
+BYTES_PREFIX = "framebytes:"  # a compressed group's ring of bytes (format 7)
+FRAME_OFF_PREFIX = "frameoff:"
+FRAME_LEN_PREFIX = "framelen:"
+FRAME_LAP_PREFIX = "framelap:"  # a compressed ring's size now (0: its first)
+RAW_CACHE_BYTES = 32 << 20  # a compressed group's recent frames kept raw, for lookups
 WINDOW = 4096  # frames looked up for sharing (about 1/32 of the ring, at least 64)
 
 
@@ -89,6 +111,8 @@ class FrameGroup:
     axis: int | None
     k: int
     frame_shape: tuple[int, ...]
+    codec: tuple[str, int] | None = None  # compressed (see .codecs, .arena): (codec, level)
+    share: bool = True  # look frames up by content (False: a compressed field's blobs)
 
     @property
     def frame_nbytes(self) -> int:
@@ -101,9 +125,12 @@ def default_frame_capacity(total_capacity: int) -> int:
 
 
 def check_frame_options(schema: Schema, total_capacity: int, frame_stack: Any, next_of: Any,
-                        frame_capacity: Any) -> tuple[tuple, tuple, int | None]:
+                        frame_capacity: Any, compressed: bool = False
+                        ) -> tuple[tuple, tuple, int | None]:
     """The options normalized (sorted ``(name, axis)`` and ``(name, source)`` pairs,
-    the capacity); InvalidConfigError for anything that does not fit ``schema``."""
+    the capacity); InvalidConfigError for anything that does not fit ``schema``.
+    ``compressed``: some field is compressed (it has a ring of its own: see
+    :func:`frame_groups`), so ``frame_capacity`` applies to it."""
     stack = _pairs("frame_stack", frame_stack)
     nexts = _pairs("next_of", next_of)
     checked_stack = []
@@ -139,9 +166,10 @@ def check_frame_options(schema: Schema, total_capacity: int, frame_stack: Any, n
         if name in dict(checked_stack):
             raise InvalidConfigError(f"{name!r} is in next_of: its frames are its source's; "
                                      "give frame_stack for the source only")
-    if not checked_stack and not nexts:
+    if not checked_stack and not nexts and not compressed:
         if frame_capacity is not None:
-            raise InvalidConfigError("frame_capacity is for buffers with frame_stack or next_of")
+            raise InvalidConfigError("frame_capacity is for buffers with frame_stack, next_of "
+                                     "or compression")
         return (), (), None
     if frame_capacity is None:
         frame_capacity = default_frame_capacity(total_capacity)
@@ -174,13 +202,36 @@ def _field(schema: Schema, label: str, name: Any) -> Field:
     return schema[name]
 
 
+def compression_units(schema: Schema, frame_stack: Mapping[str, int],
+                      next_of: Mapping[str, str]) -> tuple[dict[str, int], dict[str, str]]:
+    """What :func:`.codecs.check_compression` needs: the bytes of each field's unit of
+    storage (a frame for a group's source; the value for a field outside the groups),
+    and each ``next_of`` field's source."""
+    units = {}
+    for field in schema:
+        if field.name in next_of:
+            continue
+        axis = frame_stack.get(field.name)
+        units[field.name] = field.nbytes // (1 if axis is None else field.shape[axis])
+    return units, dict(next_of)
+
+
 def frame_groups(schema: Schema, frame_stack: Mapping[str, int],
-                 next_of: Mapping[str, str]) -> tuple[FrameGroup, ...]:
-    """The groups of checked options, in schema order of their sources."""
+                 next_of: Mapping[str, str],
+                 compression: Mapping[str, tuple[str, int]] | None = None
+                 ) -> tuple[FrameGroup, ...]:
+    """The groups of checked options, in schema order of their sources. A compressed
+    field outside them (``compression``: ``{field: (codec, level)}``) is a group of its
+    own, of one value per record, not looked up by content (values of different records
+    rarely repeat whole)."""
+    compression = compression or {}
     sources = set(frame_stack) | set(next_of.values())
     groups = []
     for field in schema:
         if field.name not in sources:
+            if field.name in compression:
+                groups.append(FrameGroup(field.name, (field.name,), field.dtype, None, 1,
+                                         field.shape, compression[field.name], share=False))
             continue
         axis = frame_stack.get(field.name)
         if axis is None:
@@ -190,7 +241,7 @@ def frame_groups(schema: Schema, frame_stack: Mapping[str, int],
             frame_shape = field.shape[:axis] + field.shape[axis + 1:]
         targets = tuple(name for name, source in next_of.items() if source == field.name)
         groups.append(FrameGroup(field.name, (field.name, *targets), field.dtype, axis, k,
-                                 frame_shape))
+                                 frame_shape, compression.get(field.name)))
     return tuple(groups)
 
 
@@ -203,16 +254,44 @@ def stored_schema(schema: Schema, groups: tuple[FrameGroup, ...]) -> Schema:
                    for f in schema])
 
 
-def frame_regions(groups: tuple[FrameGroup, ...], capacity: int,
-                  checksums: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """The file regions of the rings: ``{name: (dtype string, shape)}``."""
+def default_compressed_bytes(group: FrameGroup, capacity: int) -> int:
+    """The most bytes a compressed ring may grow to when none are given: the plain
+    bytes of its ``capacity`` frames, so that it takes every push a plain ring would,
+    whatever the data. It grows from 1-2 MiB as the live records need (see
+    :class:`.arena.Arena`): its RAM and file pages follow what is stored (the file's
+    region is sparse)."""
+    return capacity * group.frame_nbytes
+
+
+def arena_nbytes(group: FrameGroup, capacity: int, compressed_bytes: int | None) -> int:
+    """The limit of a compressed group's ring: ``compressed_bytes`` (or the default),
+    rounded up by a hair (:func:`.arena.ring_limit`)."""
+    if compressed_bytes is None:
+        compressed_bytes = default_compressed_bytes(group, capacity)
+    return ring_limit(compressed_bytes, group.frame_nbytes)
+
+
+def frame_regions(groups: tuple[FrameGroup, ...], capacity: int, checksums: bool,
+                  compressed_bytes: int | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The file regions of the rings: ``{name: (dtype string, shape)}``. A compressed
+    group's ring (``framebytes:``) comes after every other region: see
+    :mod:`.bufferfile`, which leaves those regions sparse."""
     regions: dict[str, tuple[str, tuple[int, ...]]] = {}
+    arenas: dict[str, tuple[str, tuple[int, ...]]] = {}
     for group in groups:
-        regions[FRAMES_PREFIX + group.source] = (group.dtype.str, (capacity, *group.frame_shape))
+        if group.codec is not None:
+            arenas[BYTES_PREFIX + group.source] = (
+                "|u1", (arena_nbytes(group, capacity, compressed_bytes),))
+            regions[FRAME_OFF_PREFIX + group.source] = (OFF_DTYPE.str, (capacity,))
+            regions[FRAME_LAP_PREFIX + group.source] = (OFF_DTYPE.str, (1,))
+            regions[FRAME_LEN_PREFIX + group.source] = (LEN_DTYPE.str, (capacity,))
+        else:
+            regions[FRAMES_PREFIX + group.source] = (group.dtype.str,
+                                                     (capacity, *group.frame_shape))
         regions[FRAME_ID_PREFIX + group.source] = (ID_DTYPE.str, (capacity,))
         if checksums:
             regions[FRAME_SUM_PREFIX + group.source] = (CHECKSUM_DTYPE.str, (capacity,))
-    return regions
+    return {**regions, **arenas}
 
 
 class Ring:
@@ -256,12 +335,14 @@ class Ring:
 
 class _State:
     """A ring's bookkeeping: ``tail`` (next id), the live records' smallest ids
-    (monotone deque of ``(seq, min id)``), the recent frames by crc32."""
+    (monotone deque of ``(seq, min id)``), the recent frames by crc32 and, for a
+    compressed ring, their raw bytes by id (``raws``: the ring holds them compressed)."""
 
     def __init__(self) -> None:
         self.tail = 0
         self.mins: collections.deque[tuple[int, int]] = collections.deque()
         self.recent: dict[int, int] = {}
+        self.raws: collections.OrderedDict[int, bytes] = collections.OrderedDict()
 
     def head(self, first: int, pushed: int) -> int:
         """The smallest id a record in ``[first, pushed)`` refers to (``tail``: none)."""
@@ -283,28 +364,58 @@ class _State:
 class Frames:
     """The frame rings of a buffer's groups and what pushes and reads do with them.
 
-    ``rings``: one :class:`Ring` per group (in RAM, or views of the buffer's file).
+    ``rings``: one :class:`Ring` per group (in RAM, or views of the buffer's file), or
+    an :class:`.arena.Arena` for a compressed group.
     """
 
-    def __init__(self, groups: tuple[FrameGroup, ...], rings: list[Ring],
+    def __init__(self, groups: tuple[FrameGroup, ...], rings: "list[Ring | Arena]",
                  window: int = WINDOW):
         self.groups = groups
         self.rings = rings
         self.capacity = rings[0].capacity
         self.window = max(1, min(window, max(min(64, self.capacity // 4), self.capacity // 32)))
+        # A compressed group keeps its window's frames raw in RAM: at most RAW_CACHE_BYTES.
+        self.windows = [self.window if g.codec is None else
+                        max(1, min(self.window, max(64, RAW_CACHE_BYTES // g.frame_nbytes)))
+                        for g in groups]
         self.states = [_State() for _ in groups]
         self.group_of = {name: i for i, g in enumerate(groups) for name in g.fields}
 
     @classmethod
-    def in_memory(cls, groups: tuple[FrameGroup, ...], capacity: int) -> "Frames":
-        return cls(groups, [Ring.in_memory(g, capacity) for g in groups])
+    def in_memory(cls, groups: tuple[FrameGroup, ...], capacity: int,
+                  compressed_bytes: int | None = None) -> "Frames":
+        rings: list[Ring | Arena] = []
+        for g in groups:
+            if g.codec is None:
+                rings.append(Ring.in_memory(g, capacity))
+            else:
+                rings.append(Arena.in_memory(capacity, arena_nbytes(g, capacity, compressed_bytes),
+                                             codec(*g.codec), g.frame_nbytes))
+        return cls(groups, rings)
 
     @classmethod
-    def in_file(cls, groups: tuple[FrameGroup, ...], region: Any) -> "Frames":
-        """Rings viewing the file's regions (``region(name)``: the array, or None)."""
-        rings = []
+    def in_file(cls, groups: tuple[FrameGroup, ...], region: Any,
+                writer: Any = None) -> "Frames":
+        """Rings viewing the file's regions (``region(name)``: the array, or None;
+        ``writer(name)``: a function writing bytes at an offset of region ``name``,
+        for compressed rings)."""
+        rings: list[Ring | Arena] = []
         for g in groups:
-            frames, ids = region(FRAMES_PREFIX + g.source), region(FRAME_ID_PREFIX + g.source)
+            ids = region(FRAME_ID_PREFIX + g.source)
+            if g.codec is not None:
+                data = region(BYTES_PREFIX + g.source)
+                offs = region(FRAME_OFF_PREFIX + g.source)
+                lens = region(FRAME_LEN_PREFIX + g.source)
+                lap = region(FRAME_LAP_PREFIX + g.source)
+                if data is None or ids is None or offs is None or lens is None or lap is None:
+                    raise InvalidConfigError(f"the buffer file has no compressed frame ring "
+                                             f"for {g.source!r}")
+                rings.append(Arena(data, ids, offs, lens, region(FRAME_SUM_PREFIX + g.source),
+                                   codec(*g.codec), g.frame_nbytes,
+                                   None if writer is None else writer(BYTES_PREFIX + g.source),
+                                   lap_store=lap))
+                continue
+            frames = region(FRAMES_PREFIX + g.source)
             if frames is None or ids is None:
                 raise InvalidConfigError(f"the buffer file has no frame ring for {g.source!r}")
             rings.append(Ring(frames, ids, region(FRAME_SUM_PREFIX + g.source)))
@@ -321,9 +432,9 @@ class Frames:
         stored = dict(batch)
         plans = []
         for i, group in enumerate(self.groups):
-            state = self.states[i]
+            state, ring = self.states[i], self.rings[i]
             head = state.head(first, pushed)
-            ids, new = self._plan(i, group, batch, n)
+            ids, new = self._plan(i, group, batch, n, head)
             low = min([head] + [int(a.min()) for a in ids.values() if a.size])
             if state.tail + len(new) - low > self.capacity:
                 raise StorageFullError(
@@ -331,31 +442,53 @@ class Frames:
                     f"the live records refer to {state.tail - head:,} and this push adds "
                     f"{len(new):,}: give the buffer a larger frame_capacity (frames do not "
                     "repeat as often as the default assumes)")
-            plans.append((ids, new))
+            prepared = None
+            if isinstance(ring, Arena):
+                prepared = ring.prepare(ring.compress_many([raw for _, _, raw in new]), low,
+                                        state.tail, group.source)
+            plans.append((ids, new, prepared))
         seqs = np.arange(pushed, pushed + n, dtype=np.int64)
-        for i, (ids, new) in enumerate(plans):
-            state = self.states[i]
+        for i, (ids, new, prepared) in enumerate(plans):
+            state, ring = self.states[i], self.rings[i]
             if new:
-                self.rings[i].write(state.tail, np.stack([frame for frame, _ in new]))
-                for j, (_, key) in enumerate(new):
-                    state.recent[key] = state.tail + j
+                if isinstance(ring, Arena):
+                    assert prepared is not None
+                    ring.write(state.tail, prepared)
+                else:
+                    ring.write(state.tail, np.stack([frame for frame, _, _ in new]))
+                if self.groups[i].share:
+                    keep_raw = isinstance(ring, Arena)
+                    for j, (_, key, raw) in enumerate(new):
+                        state.recent[key] = state.tail + j
+                        if keep_raw:
+                            state.raws[state.tail + j] = raw
+                    window = self.windows[i]
+                    while len(state.raws) > window:  # (ids in order: the oldest first)
+                        state.raws.popitem(last=False)
                 state.tail += len(new)
-                self._forget(state)
+                self._forget(i, state)
             if n:
                 state.add(seqs, np.min(np.stack([a.min(axis=1) for a in ids.values()]), axis=0))
             stored.update(ids)
         return stored
 
-    def _plan(self, i: int, group: FrameGroup, batch: Mapping[str, np.ndarray], n: int
-              ) -> tuple[dict[str, np.ndarray], list[tuple[np.ndarray, int]]]:
-        """Each value's frame ids, and the frames to write (with their crc32)."""
+    def _plan(self, i: int, group: FrameGroup, batch: Mapping[str, np.ndarray], n: int,
+              head: int) -> tuple[dict[str, np.ndarray], list[tuple[np.ndarray, int, bytes]]]:
+        """Each value's frame ids, and the frames to write (with their crc32 and bytes)."""
         state, ring = self.states[i], self.rings[i]
-        tail, oldest = state.tail, state.tail - self.window
-        recent = state.recent
-        found: dict[int, int] = {}  # this push's new frames by crc32
-        new: list[tuple[np.ndarray, int]] = []
-        raws: list[bytes] = []
+        tail = state.tail
         ids = {name: np.empty((n, group.k), np.int64) for name in group.fields}
+        new: list[tuple[np.ndarray, int, bytes]] = []
+        if not group.share:  # each value is new
+            new = [(np.asarray(v), 0, np.ascontiguousarray(v).tobytes()) for v in batch[group.source]]
+            ids[group.source][:, 0] = np.arange(tail, tail + n)
+            return ids, new
+        compressed = isinstance(ring, Arena)
+        oldest = tail - self.windows[i]
+        if compressed:  # a frame before the head may be overwritten already
+            oldest = max(oldest, head)
+        recent, raws_of = state.recent, state.raws
+        found: dict[int, int] = {}  # this push's new frames by crc32
         values = {name: batch[name] if group.axis is None
                   else np.moveaxis(batch[name], 1 + group.axis, 1) for name in group.fields}
         for r in range(n):
@@ -367,23 +500,24 @@ class Frames:
                     raw = frame.tobytes()  # bytes compared: -0.0 is not 0.0, NaN is itself
                     key = zlib.crc32(raw)
                     hit = found.get(key)
-                    if hit is not None and raws[hit - tail] == raw:
+                    if hit is not None and new[hit - tail][2] == raw:
                         out[j] = hit
                         continue
                     hit = recent.get(key)
-                    if (hit is not None and oldest <= hit < tail
-                            and ring.frame(hit).tobytes() == raw):
+                    if hit is not None and oldest <= hit < tail and (
+                            raws_of.get(hit) == raw if compressed
+                            else ring.frame(hit).tobytes() == raw):  # type: ignore[union-attr]
                         out[j] = hit
                         continue
                     out[j] = found[key] = tail + len(new)
-                    new.append((frame, key))
-                    raws.append(raw)
+                    new.append((frame, key, raw))
         return ids, new
 
-    def _forget(self, state: _State) -> None:
+    def _forget(self, i: int, state: _State) -> None:
         """Drop lookups of frames older than the window (now and then: amortized)."""
-        if len(state.recent) > 4 * self.window:
-            oldest = state.tail - self.window
+        window = self.windows[i]
+        if len(state.recent) > 4 * window:
+            oldest = state.tail - window
             state.recent = {key: i for key, i in state.recent.items() if i >= oldest}
 
     # ---- reads ----------------------------------------------------------------------
@@ -391,28 +525,60 @@ class Frames:
     def decode(self, name: str, ids: np.ndarray, out: np.ndarray) -> None:
         """Field ``name`` of ``m`` records from their frame ids ``[m, k]`` into ``out``
         (``[m, *shape]``)."""
-        i = self.group_of[name]
-        group, ring = self.groups[i], self.rings[i]
-        m = len(ids)
-        slots = np.remainder(ids.reshape(-1), ring.capacity)
+        self.decode_fields({name: (ids, out)})
+
+    def decode_fields(self, fields: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """:meth:`decode` of several fields (``{name: (ids, out)}``): the fields of one
+        compressed group decompress each distinct frame once."""
+        by_group: dict[int, list[str]] = {}
+        for name in fields:
+            by_group.setdefault(self.group_of[name], []).append(name)
+        for i, names in by_group.items():
+            group, ring = self.groups[i], self.rings[i]
+            if isinstance(ring, Ring):
+                for name in names:
+                    ids, out = fields[name]
+                    self._place(group, ring.frames, np.remainder(ids.reshape(-1), ring.capacity),
+                                len(ids), out)
+                continue
+            flat = [fields[name][0].reshape(-1) for name in names]
+            wanted, inverse = np.unique(np.concatenate(flat), return_inverse=True)
+            frames = ring.read(wanted).view(group.dtype).reshape((len(wanted),) + group.frame_shape)
+            at = 0
+            for name, part in zip(names, flat):
+                ids, out = fields[name]
+                self._place(group, frames, inverse[at:at + len(part)], len(ids), out)
+                at += len(part)
+
+    @staticmethod
+    def _place(group: FrameGroup, frames: np.ndarray, rows: np.ndarray, m: int,
+               out: np.ndarray) -> None:
+        """Values of ``m`` records from ``frames[rows]`` (``rows``: ``m * k``) into ``out``."""
         if group.axis is None:
-            ring.frames.take(slots, axis=0, mode="clip", out=out.reshape((m,) + group.frame_shape))
+            frames.take(rows, axis=0, mode="clip", out=out.reshape((m,) + group.frame_shape))
             return
         if group.axis == 0 and out.flags.c_contiguous:
-            ring.frames.take(slots, axis=0, mode="clip",
-                             out=out.reshape((m * group.k,) + group.frame_shape))
+            frames.take(rows, axis=0, mode="clip",
+                        out=out.reshape((m * group.k,) + group.frame_shape))
             return
-        frames = ring.frames.take(slots, axis=0, mode="clip").reshape(
-            (m, group.k) + group.frame_shape)
-        out[...] = np.moveaxis(frames, 1, 1 + group.axis)
+        taken = frames.take(rows, axis=0, mode="clip").reshape((m, group.k) + group.frame_shape)
+        out[...] = np.moveaxis(taken, 1, 1 + group.axis)
 
     def live_frames(self, first: int, pushed: int) -> list[int]:
         """Frames each ring holds for the live records (``tail - head``)."""
         return [state.tail - state.head(first, pushed) for state in self.states]
 
     def stored_nbytes(self, first: int, pushed: int) -> int:
-        return sum(count * group.frame_nbytes
-                   for count, group in zip(self.live_frames(first, pushed), self.groups))
+        """Bytes of the frames the live records refer to (a compressed ring: the bytes of
+        the ring they take, and their index)."""
+        total = 0
+        for state, group, ring in zip(self.states, self.groups, self.rings):
+            head = state.head(first, pushed)
+            if isinstance(ring, Arena):
+                total += ring.stored_nbytes(head, state.tail)
+            else:
+                total += (state.tail - head) * group.frame_nbytes
+        return total
 
     # ---- reopen ---------------------------------------------------------------------
 
@@ -421,11 +587,13 @@ class Frames:
         first) and their stored ids (``{field: [len(seqs), k]}``)."""
         for i, group in enumerate(self.groups):
             state = self.states[i] = _State()
-            if not len(seqs):
-                continue
-            columns = [ids[name] for name in group.fields]
-            state.tail = max(int(c.max()) for c in columns) + 1
-            state.add(seqs, np.min(np.stack([c.min(axis=1) for c in columns]), axis=0))
+            ring = self.rings[i]
+            if len(seqs):
+                columns = [ids[name] for name in group.fields]
+                state.tail = max(int(c.max()) for c in columns) + 1
+                state.add(seqs, np.min(np.stack([c.min(axis=1) for c in columns]), axis=0))
+            if isinstance(ring, Arena):
+                ring.restore(state.tail)
 
     def damaged(self, seqs: np.ndarray, ids: Mapping[str, np.ndarray]) -> np.ndarray:
         """Which of ``seqs`` (with their stored ids) refer to a frame that is not in its
@@ -438,18 +606,26 @@ class Frames:
                 wanted = np.unique(refs)
                 if not len(wanted):
                     continue
-                slots = wanted % ring.capacity
-                wrong = (wanted < 0) | (ring.ids[slots] != wanted)
-                if ring.sums is not None:
-                    ok = np.flatnonzero(~wrong)
-                    for lo in range(0, len(ok), 4096):
-                        part = ok[lo:lo + 4096]
-                        sums = record_checksums({"frame": ring.frames[slots[part]]},
-                                                wanted[part].astype(np.uint64))
-                        wrong[part] |= sums != ring.sums[slots[part]]
+                if isinstance(ring, Arena):
+                    wrong = ring.damaged(wanted)
+                else:
+                    wrong = self._ring_damaged(ring, wanted)
                 if wrong.any():
                     bad |= np.isin(refs, wanted[wrong]).any(axis=1)
         return bad
+
+    @staticmethod
+    def _ring_damaged(ring: Ring, wanted: np.ndarray) -> np.ndarray:
+        slots = wanted % ring.capacity
+        wrong = (wanted < 0) | (ring.ids[slots] != wanted)
+        if ring.sums is not None:
+            ok = np.flatnonzero(~wrong)
+            for lo in range(0, len(ok), 4096):
+                part = ok[lo:lo + 4096]
+                sums = record_checksums({"frame": ring.frames[slots[part]]},
+                                        wanted[part].astype(np.uint64))
+                wrong[part] |= sums != ring.sums[slots[part]]
+        return wrong
 
     def release(self) -> None:
         for ring in self.rings:

@@ -17,7 +17,7 @@ class FieldSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BufferConfig(_message.Message):
-    __slots__ = ("hot_capacity", "total_capacity", "fields", "prioritized", "mode", "max_times_sampled", "rate_limiter", "episodes", "meta_fields", "frame_stack", "next_of", "frame_capacity")
+    __slots__ = ("hot_capacity", "total_capacity", "fields", "prioritized", "mode", "max_times_sampled", "rate_limiter", "episodes", "meta_fields", "frame_stack", "next_of", "frame_capacity", "compression", "compressed_bytes")
     class FrameStackEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,13 @@ class BufferConfig(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class CompressionEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Compression
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Compression, _Mapping]] = ...) -> None: ...
     HOT_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +51,8 @@ class BufferConfig(_message.Message):
     FRAME_STACK_FIELD_NUMBER: _ClassVar[int]
     NEXT_OF_FIELD_NUMBER: _ClassVar[int]
     FRAME_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_BYTES_FIELD_NUMBER: _ClassVar[int]
     hot_capacity: int
     total_capacity: int
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
@@ -56,7 +65,17 @@ class BufferConfig(_message.Message):
     frame_stack: _containers.ScalarMap[str, int]
     next_of: _containers.ScalarMap[str, str]
     frame_capacity: int
-    def __init__(self, hot_capacity: _Optional[int] = ..., total_capacity: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., prioritized: _Optional[_Union[Prioritized, _Mapping]] = ..., mode: _Optional[str] = ..., max_times_sampled: _Optional[int] = ..., rate_limiter: _Optional[_Union[RateLimiter, _Mapping]] = ..., episodes: _Optional[bool] = ..., meta_fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., frame_stack: _Optional[_Mapping[str, int]] = ..., next_of: _Optional[_Mapping[str, str]] = ..., frame_capacity: _Optional[int] = ...) -> None: ...
+    compression: _containers.MessageMap[str, Compression]
+    compressed_bytes: int
+    def __init__(self, hot_capacity: _Optional[int] = ..., total_capacity: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., prioritized: _Optional[_Union[Prioritized, _Mapping]] = ..., mode: _Optional[str] = ..., max_times_sampled: _Optional[int] = ..., rate_limiter: _Optional[_Union[RateLimiter, _Mapping]] = ..., episodes: _Optional[bool] = ..., meta_fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., frame_stack: _Optional[_Mapping[str, int]] = ..., next_of: _Optional[_Mapping[str, str]] = ..., frame_capacity: _Optional[int] = ..., compression: _Optional[_Mapping[str, Compression]] = ..., compressed_bytes: _Optional[int] = ...) -> None: ...
+
+class Compression(_message.Message):
+    __slots__ = ("codec", "level")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    codec: str
+    level: int
+    def __init__(self, codec: _Optional[str] = ..., level: _Optional[int] = ...) -> None: ...
 
 class RateLimiter(_message.Message):
     __slots__ = ("samples_per_insert", "min_size_to_sample", "min_diff", "max_diff")

@@ -78,6 +78,9 @@ def config_to_proto(config: BufferConfig) -> pb.BufferConfig:
         frame_stack=dict(config.frame_stack),
         next_of=dict(config.next_of),
         frame_capacity=config.frame_capacity or 0,
+        compression={field: pb.Compression(codec=name, level=level)
+                     for field, name, level in config.compression},
+        compressed_bytes=config.compressed_bytes or 0,
     )
     if config.prioritized is not None:
         message.prioritized.alpha = config.prioritized.alpha
@@ -122,7 +125,9 @@ def config_from_proto(message: pb.BufferConfig) -> BufferConfig:
                         message.mode or "replay", message.max_times_sampled or None, limiter,
                         prioritized, message.episodes, Schema.from_spec(meta) if meta else None,
                         dict(message.frame_stack), dict(message.next_of),
-                        message.frame_capacity or None)
+                        message.frame_capacity or None,
+                        {field: (c.codec, c.level) for field, c in message.compression.items()},
+                        message.compressed_bytes or None)
 
 
 def info_to_proto(info: BufferInfo) -> pb.BufferInfo:
