@@ -248,6 +248,22 @@ class Ring:
     def frame(self, frame_id: int) -> np.ndarray:
         return self.frames[frame_id % self.capacity]
 
+    def copy_out(self, frame_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Copies of frames ``frame_ids``, of the ids their slots hold (another id: the
+        frame is gone) and of their stored checksums (None: a ring in RAM keeps none)."""
+        slots = frame_ids % self.capacity
+        return (self.frames[slots], self.ids[slots],
+                None if self.sums is None else self.sums[slots])
+
+    def put(self, frame_ids: np.ndarray, frames: np.ndarray, sums: np.ndarray) -> None:
+        """Store frames with ids ``frame_ids`` (no two in one slot) and their checksums:
+        a snapshot's copy of another ring's frames (see :mod:`.snapshot`)."""
+        slots = frame_ids % self.capacity
+        self.frames[slots] = frames
+        self.ids[slots] = frame_ids
+        if self.sums is not None:
+            self.sums[slots] = sums
+
     def release(self) -> None:
         self.frames = np.empty((0,), np.uint8)
         self.ids = np.empty(0, ID_DTYPE)

@@ -36,6 +36,7 @@ def recover(path: str | os.PathLike, *, sync_every_push: bool = False, skip_corr
     a hang.
     """
     file = BufferFile.open(os.fspath(path))
+    fifo: Fifo | None = None
     try:
         if not file.meta["persistent"]:
             raise CorruptFileError(
@@ -60,6 +61,8 @@ def recover(path: str | os.PathLike, *, sync_every_push: bool = False, skip_corr
                 f"(seqs {bad[:5].tolist()}{'...' if len(bad) > 5 else ''}); "
                 "--recover=skip-corrupt serves the intact ones")
     except BaseException:
+        if fifo is not None and fifo.frames is not None:
+            fifo.frames.release()  # views of the map: they must go before it closes
         file.close(delete=False)
         raise
     fifo.holes = bad

@@ -1,0 +1,209 @@
+"""Buffers with frames stored once (``frame_stack``, ``next_of``) under the operators' tools:
+checkpoints and restores (core/snapshot.py, the Checkpoint RPC, ``millpond restore``) and
+``millpond inspect`` (core/inspect.py), with bytes corrupted on disk.
+
+(The frames themselves: tests/test_pixels.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support import ServerProcess
+from test_pixels import columns, fields_of, same, synthetic
+
+import millpond
+from millpond.core.buffer import TieredBuffer
+from millpond.core.config import BufferConfig
+from millpond.core.snapshot import Snapshot
+
+NAMES = ("obs", "next_obs", "terminated")
+FRAMES = dict(frame_stack={"obs": 0}, next_of={"next_obs": "obs"}, frame_capacity=2_000)
+
+
+@pytest.fixture(scope="module")
+def data():
+    """600 transitions of three interleaved writers' 4-frame stacks, with resets."""
+    return synthetic(np.random.default_rng(11), 600, padding="zero")
+
+
+def pair(tmp_path, data, persistent=True, pushed=600, **kw):
+    """A plain buffer and a frame buffer with the same ``pushed`` records."""
+    config = dict(hot_capacity=50, total_capacity=200, fields=fields_of(data, NAMES), **kw)
+    plain = TieredBuffer(BufferConfig.build(**config), tmp_path / "plain.buffer",
+                         persistent=persistent)
+    framed = TieredBuffer(BufferConfig.build(**config, **FRAMES), tmp_path / "framed.buffer",
+                          persistent=persistent)
+    push(data, [plain, framed], 0, pushed)
+    return plain, framed
+
+
+def push(data, buffers, lo, hi, batch=17):
+    for start in range(lo, hi, batch):
+        end = min(hi, start + batch)
+        for buf in buffers:
+            if not isinstance(buf, TieredBuffer):  # a handle
+                buf.push_batch(**columns(data, start, end, NAMES))
+                continue
+            kw = {"episodes": data["episode"][start:end]} if buf.config.episodes else {}
+            buf.push_batch(columns(data, start, end, NAMES), **kw)
+
+
+def same_buffers(a, b, seeds=range(3)):
+    same(a.contents(), b.contents())
+    for seed in seeds:
+        same(a.sample(32, seed), b.sample(32, seed))
+
+
+def records(buf, seqs):
+    """Records ``seqs`` of ``buf``, all live."""
+    found = buf.read(np.asarray(seqs))
+    assert found.pop("live").all()
+    return found
+
+
+def region(path, name):
+    """``(offset, nbytes)`` of a region of a buffer file (see core/bufferfile.py)."""
+    raw = path.read_bytes()
+    length = struct.unpack_from("<I", raw, 16)[0]
+    meta = json.loads(raw[128:128 + length])
+    return meta["regions"][name], meta
+
+
+def corrupt_frame(path, frame_id: int, source="obs") -> None:
+    """Flip a byte of frame ``frame_id`` in the ring of a buffer file (a bad sector)."""
+    (offset, _), meta = region(path, "frames:" + source)
+    dtype, shape = meta["frame_regions"]["frames:" + source]
+    frame_nbytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+    raw = bytearray(path.read_bytes())
+    raw[offset + (frame_id % shape[0]) * frame_nbytes + 3] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+def frame_ids(buf, seqs, name="obs"):
+    """The stored frame ids of records ``seqs`` (the engine's own view)."""
+    return buf._fifo.stored_rows(np.asarray(seqs), [name])[name]
+
+
+# ---- checkpoints -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "in-memory"])
+@pytest.mark.parametrize("kw", [{}, {"prioritized": True}, {"episodes": True}],
+                         ids=["uniform", "prioritized", "episodes"])
+def test_a_checkpoint_of_a_frame_buffer_restores_with_the_same_samples(tmp_path, data, persistent,
+                                                                       kw):
+    plain, framed = pair(tmp_path, data, persistent, **kw)
+    result = framed.checkpoint(tmp_path / "snap")
+    assert (result.records, result.first, result.pushed, result.dropped) == (200, 400, 600, 0)
+    copy = TieredBuffer.open(result.path)  # every record and every frame checked
+    assert copy.config.frame_stack == (("obs", 0),) and copy.config.frame_capacity == 2_000
+    same_buffers(framed, copy)
+    same_buffers(plain, copy)
+    assert copy.info().stored_bytes == framed.info().stored_bytes
+    assert copy.info().stored_bytes < copy.info().logical_bytes
+    # the restored buffer goes on like the original: pushes, eviction, samples
+    push(data, [plain, copy], 0, 300)
+    same_buffers(plain, copy)
+    copy.release()
+    again = TieredBuffer.open(result.path)
+    same_buffers(plain, again)
+    again.close()
+
+
+def test_a_checkpoint_of_a_frame_buffer_while_pushes_go_on(tmp_path, data):
+    """Steps of 30 records, 40 pushed between them (the oldest of the cut evicted before
+    their turn): the frame buffer's copy holds what the plain buffer's holds."""
+    plain, framed = pair(tmp_path, data, pushed=300)
+    nbytes = 30 * plain.schema.record_nbytes
+    snaps = [Snapshot(buf, tmp_path / f"snap-{i}", step_bytes=nbytes)
+             for i, buf in enumerate((plain, framed))]
+    for snap in snaps:
+        snap.create()
+        snap.begin()
+    pushed = [300]
+    results = [None, None]
+    while not all(results):
+        push(data, [plain, framed], pushed[0], pushed[0] + 40, batch=40)
+        pushed[0] += 40
+        for i, snap in enumerate(snaps):
+            if results[i] is None:
+                step = snap.read()
+                if step is None:
+                    results[i] = snap.finish()
+                else:
+                    snap.write(step)
+    a, b = results
+    assert (a.records, a.first, a.pushed, a.dropped) == (b.records, b.first, b.pushed, b.dropped)
+    assert 0 < b.records < 200 and b.dropped > 0 and b.damaged == 0
+    copies = [TieredBuffer.open(r.path) for r in results]
+    same_buffers(*copies)
+    same(copies[1].contents(), columns(data, b.first, b.pushed, NAMES))
+    for copy in copies:
+        copy.release()
+
+
+def test_a_damaged_frame_is_found_at_restore_and_isolates_its_records(tmp_path, data):
+    plain, framed = pair(tmp_path, data)
+    path = framed.checkpoint(tmp_path / "snap").path
+    victim = int(frame_ids(framed, [500])[0, 3])  # record 500's newest frame
+    users = np.flatnonzero(np.isin(frame_ids(framed, np.arange(400, 600)), victim).any(axis=1)
+                           | np.isin(frame_ids(framed, np.arange(400, 600), "next_obs"),
+                                     victim).any(axis=1)) + 400
+    assert 500 in users and 1 < len(users) < 20
+    corrupt_frame(Path(path), victim)
+    with pytest.raises(millpond.CorruptFileError, match="fail their checks"):
+        TieredBuffer.open(path)
+    survivor = TieredBuffer.open(path, skip_corrupt=True)
+    assert survivor.damaged_seqs().tolist() == users.tolist()
+    live = np.setdiff1d(np.arange(400, 600), users)
+    same(records(survivor, live), records(plain, live))
+    same(survivor.contents(), records(plain, live))
+    # a checkpoint of the survivor (a repair) drops them for good: its copy checks whole
+    repaired = TieredBuffer.open(survivor.checkpoint(tmp_path / "repaired").path)
+    same(repaired.contents(), records(plain, live))
+    repaired.release()
+    survivor.release()
+
+
+def test_a_frame_damaged_in_a_live_buffer_drops_its_records_from_the_checkpoint(tmp_path, data):
+    plain, framed = pair(tmp_path, data)
+    victim = int(frame_ids(framed, [450])[0, 3])
+    ring = framed._fifo.frames.rings[0]
+    ring.frames[victim % ring.capacity].reshape(-1)[0] ^= 0xFF  # bit rot in a served frame
+    users = np.flatnonzero(np.isin(frame_ids(framed, np.arange(400, 600)), victim).any(axis=1)
+                           | np.isin(frame_ids(framed, np.arange(400, 600), "next_obs"),
+                                     victim).any(axis=1)) + 400
+    result = framed.checkpoint(tmp_path / "snap")
+    assert result.damaged == len(users) > 0 and result.records == 200 - len(users)
+    copy = TieredBuffer.open(result.path)
+    # the older records are renumbered to close the gaps; their values are the plain ones
+    same(copy.contents(), records(plain, np.setdiff1d(np.arange(400, 600), users)))
+    copy.release()
+
+
+@pytest.mark.daemon
+def test_a_daemon_checkpoints_and_restores_a_frame_buffer(tmp_path, data):
+    from millpond_server.backups import restore
+
+    backups = tmp_path / "backups"
+    fields = fields_of(data, NAMES)
+    with ServerProcess(tmp_path / "data", "--backup-dir", str(backups)) as server:
+        client = millpond.connect(server.address)
+        kw = dict(hot_capacity=50, total_capacity=200, fields=fields)
+        plain = client.create_buffer("plain", **kw)
+        framed = client.create_buffer("framed", **kw, **FRAMES)
+        push(data, [plain, framed], 0, 600)
+        result = client.checkpoint("framed", "nightly/framed")
+        assert (result.records, result.pushed, result.damaged) == (200, 600, 0)
+        expected = [plain.sample(32, seed) for seed in range(3)]
+    restore(result.path, tmp_path / "restored")
+    with ServerProcess(tmp_path / "restored") as server:
+        client = millpond.connect(server.address)
+        buf = client.buffer("framed")
+        assert client.info("framed").config.next_of == (("next_obs", "obs"),)
+        for seed, sample in enumerate(expected):
+            same(buf.sample(32, seed), sample)
