@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -207,3 +209,68 @@ def test_a_daemon_checkpoints_and_restores_a_frame_buffer(tmp_path, data):
         assert client.info("framed").config.next_of == (("next_obs", "obs"),)
         for seed, sample in enumerate(expected):
             same(buf.sample(32, seed), sample)
+
+
+# ---- millpond inspect ----------------------------------------------------------------------
+
+def inspect_cli(path) -> tuple[int, str]:
+    done = subprocess.run([sys.executable, "-m", "millpond_server", "inspect", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    return done.returncode, done.stdout
+
+
+def frame_file(tmp_path, data):
+    """A persistent frame buffer's file (seqs 400..599 live) and the buffer, released."""
+    _, framed = pair(tmp_path, data)
+    ids = {name: frame_ids(framed, np.arange(400, 600), name) for name in ("obs", "next_obs")}
+    framed.release()
+    return tmp_path / "framed.buffer", ids
+
+
+def users_of(ids, victims) -> list[int]:
+    hit = np.zeros(200, bool)
+    for column in ids.values():
+        hit |= np.isin(column, victims).any(axis=1)
+    return (np.flatnonzero(hit) + 400).tolist()
+
+
+def test_inspect_a_healthy_frame_file(tmp_path, data):
+    path, ids = frame_file(tmp_path, data)
+    before = path.read_bytes()
+    code, out = inspect_cli(path)
+    assert code == 0, out
+    assert "format    version 6" in out
+    assert "schema    obs:|u1[4,3,5] next_obs:|u1[4,3,5] terminated:|b1" in out  # as pushed
+    referred = len(np.unique(np.concatenate([c.reshape(-1) for c in ids.values()])))
+    assert ("frames    obs: stacks of 4 along axis 0 (and next_obs next_of it); "
+            "ring of 2,000 frames |u1[3,5]") in out
+    assert (f"checks    {referred:,} frames of obs the records refer to checked "
+            "(id and checksum): all pass") in out
+    assert out.rstrip().endswith("status    healthy")
+    assert path.read_bytes() == before  # nothing written
+
+
+def test_inspect_names_damaged_frames_and_the_records_they_isolate(tmp_path, data):
+    path, ids = frame_file(tmp_path, data)
+    rotten = int(ids["obs"][100, 3])  # record 500's newest frame: its bytes flipped
+    (offset, _), meta = region(path, "frameid:obs")
+    gone = int(ids["obs"][150, 3])  # record 550's: its slot names another frame
+    assert gone != rotten
+    raw = bytearray(path.read_bytes())
+    raw[offset + 8 * (gone % 2_000):offset + 8 * (gone % 2_000) + 8] = \
+        struct.pack("<q", gone + 2_000)
+    path.write_bytes(bytes(raw))
+    corrupt_frame(path, rotten)
+    code, out = inspect_cli(path)
+    assert code == 1, out
+    assert "checks    200 records checked (seq and checksum): all pass" in out
+    assert (f"fail their id and checksum check: frames {', '.join(map(str, sorted([rotten, gone])))}"
+            in out)
+    users = users_of(ids, [rotten, gone])
+    assert 500 in users and 550 in users and len(users) < 20
+    assert (f"DAMAGED   {len(users)} records refer to a damaged frame (a reopen with "
+            f"skip-corrupt leaves them out): seqs {', '.join(map(str, users))}") in out
+    assert out.rstrip().endswith("status    DAMAGED")
+    survivor = TieredBuffer.open(path, skip_corrupt=True)  # the reopen agrees
+    assert survivor.damaged_seqs().tolist() == users
+    survivor.release()

@@ -448,24 +448,30 @@ class Frames:
         ring (another id in its slot) or fails its checksum: a bool mask."""
         bad = np.zeros(len(seqs), bool)
         for i, group in enumerate(self.groups):
-            ring = self.rings[i]
             for name in group.fields:
                 refs = ids[name]
                 wanted = np.unique(refs)
                 if not len(wanted):
                     continue
-                slots = wanted % ring.capacity
-                wrong = (wanted < 0) | (ring.ids[slots] != wanted)
-                if ring.sums is not None:
-                    ok = np.flatnonzero(~wrong)
-                    for lo in range(0, len(ok), 4096):
-                        part = ok[lo:lo + 4096]
-                        sums = record_checksums({"frame": ring.frames[slots[part]]},
-                                                wanted[part].astype(np.uint64))
-                        wrong[part] |= sums != ring.sums[slots[part]]
+                wrong = self.failing(i, wanted)
                 if wrong.any():
                     bad |= np.isin(refs, wanted[wrong]).any(axis=1)
         return bad
+
+    def failing(self, i: int, wanted: np.ndarray) -> np.ndarray:
+        """Which frames ``wanted`` (ids) of ring ``i`` are not in it (another id in their
+        slot) or fail their checksum (a ring that keeps them): a bool mask."""
+        ring = self.rings[i]
+        slots = wanted % ring.capacity
+        wrong = (wanted < 0) | (ring.ids[slots] != wanted)
+        if ring.sums is not None:
+            ok = np.flatnonzero(~wrong)
+            for lo in range(0, len(ok), 4096):
+                part = ok[lo:lo + 4096]
+                sums = record_checksums({"frame": ring.frames[slots[part]]},
+                                        wanted[part].astype(np.uint64))
+                wrong[part] |= sums != ring.sums[slots[part]]
+        return wrong
 
     def release(self) -> None:
         for ring in self.rings:
