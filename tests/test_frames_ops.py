@@ -274,3 +274,70 @@ def test_inspect_names_damaged_frames_and_the_records_they_isolate(tmp_path, dat
     survivor = TieredBuffer.open(path, skip_corrupt=True)  # the reopen agrees
     assert survivor.damaged_seqs().tolist() == users
     survivor.release()
+
+
+# ---- sharded buffers -------------------------------------------------------------------------
+
+def test_each_shard_gets_frames_for_its_share():
+    from millpond.core.frames import default_frame_capacity
+    from millpond.sharded.placement import global_config, same_but_capacities, shard_configs
+
+    fields = {"obs": ("uint8", (4, 3, 5)), "next_obs": ("uint8", (4, 3, 5))}
+    frames = {"frame_stack": {"obs": 0}, "next_of": {"next_obs": "obs"}}
+    default = BufferConfig.build(hot_capacity=100, total_capacity=1_001, fields=fields, **frames)
+    parts = shard_configs(default, 2)
+    assert [c.total_capacity for c in parts] == [501, 500]
+    assert [c.frame_capacity for c in parts] == [default_frame_capacity(501),
+                                                 default_frame_capacity(500)]
+    given = BufferConfig.build(hot_capacity=100, total_capacity=1_001, fields=fields,
+                               frame_capacity=3_000, **frames)
+    parts = shard_configs(given, 2)
+    assert [c.frame_capacity for c in parts] == [1_502, 1_499]  # 3,000 x 501 / 1,001, rounded up
+    whole = global_config(parts)
+    assert (whole.total_capacity, whole.frame_capacity) == (1_001, 3_001)
+    assert same_but_capacities(parts[0], given) == []
+    plain = BufferConfig.build(hot_capacity=100, total_capacity=1_001, fields=fields)
+    assert [c.frame_capacity for c in shard_configs(plain, 2)] == [None, None]
+    assert same_but_capacities(plain, given) != []  # (a difference, not an error)
+
+
+@pytest.mark.daemon
+def test_a_sharded_frame_buffer_over_two_daemons(tmp_path, data):
+    from support import start_all
+
+    servers = start_all([ServerProcess(tmp_path / f"shard{i}") for i in range(2)])
+    try:
+        addresses = [s.address for s in servers]
+        client = millpond.connect(addresses, timeout=10)
+        kw = dict(hot_capacity=60, total_capacity=301, fields=fields_of(data, NAMES))
+        frames = dict(frame_stack={"obs": 0}, next_of={"next_obs": "obs"})
+        default = client.create_buffer("default", **kw, **frames)
+        assert [s.info.config.frame_capacity for s in default.info().shards] == [
+            151 + 151 // 4 + 64, 150 + 150 // 4 + 64]  # each shard's own default
+        # frames that rarely repeat (random resets, 3 interleaved writers cut in batches of
+        # 20 between the shards): 2 k (records + push) per shard suffices
+        plain = client.create_buffer("plain", **kw)
+        framed = client.create_buffer("framed", **kw, **frames, frame_capacity=3_000)
+        assert [s.info.config.frame_capacity for s in framed.info().shards] == [
+            -(-3_000 * 151 // 301), -(-3_000 * 150 // 301)] == [1_505, 1_496]
+        assert framed.info().config.frame_capacity == 3_001  # (the shares, rounded up)
+        # two writers each, one per shard
+        writers = {name: sorted((client.buffer(name) for _ in range(2)),
+                                key=lambda h: h.backend.shard) for name in ("plain", "framed")}
+        for lo in range(0, 600, 20):
+            for name in writers:
+                writers[name][lo // 20 % 2].push_batch(**columns(data, lo, lo + 20, NAMES))
+        for seed in range(3):
+            same(plain.sample(32, seed), framed.sample(32, seed))
+        info = framed.info()
+        assert [s.info.size for s in info.shards] == [151, 150]
+        for part in info.shards:
+            assert part.info.stored_bytes < part.info.logical_bytes
+        again = millpond.connect(addresses[::-1], timeout=10).create_buffer(
+            "framed", **kw, **frames, frame_capacity=3_000)
+        assert len(again) == 301
+        with pytest.raises(millpond.ConfigMismatchError, match="frame_capacity"):
+            client.create_buffer("framed", **kw, **frames, frame_capacity=5_000)
+    finally:
+        for server in servers:
+            server.stop()
