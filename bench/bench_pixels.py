@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+from bench_pixel_pushes import section as pushes_section
 
 from millpond.core.buffer import TieredBuffer
 from millpond.core.config import BufferConfig
@@ -56,3 +57,4 @@ def section(quick: bool, seconds: float, timed_rate: Callable) -> None:
               f"= {rate['shared'] / rate['plain']:.2f}x")
         for buf in buffers.values():
             buf.close()
+        pushes_section(game, data, seconds / 3, timed_rate)  # (bench_pixel_pushes.py)

@@ -341,3 +341,45 @@ def test_a_sharded_frame_buffer_over_two_daemons(tmp_path, data):
     finally:
         for server in servers:
             server.stop()
+
+
+# ---- pushes: the predicted frames are checked, never trusted ----------------------------------
+
+@pytest.mark.parametrize("pattern", ["steps", "chains"])
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_near_misses_of_the_predicted_frames_are_stored_apart(pattern, dtype):
+    """Streams whose stacks line up but for one byte (or -0.0 for 0.0) here and there:
+    pushed a step of 8 streams at a time, or 12 consecutive records of one stream at a
+    time; every value reads back exactly, and equal frames are still shared."""
+    rng = np.random.default_rng(5)
+    k, shape, streams, steps = 4, (6, 7), 8, 60
+    frames = rng.integers(0, 3, (streams, steps + k, *shape)).astype(dtype)
+    obs = np.stack([frames[:, t:t + k] for t in range(steps)], axis=1)  # [streams, t, k, ...]
+    nxt = np.stack([frames[:, t + 1:t + 1 + k] for t in range(steps)], axis=1)
+    flip = rng.random((streams, steps)) < 0.2
+    for s, t in zip(*np.nonzero(flip)):  # a near miss of one of the predictions
+        which = rng.integers(3)
+        target = (obs if which == 0 else nxt)[s, t]
+        j = rng.integers(k)
+        if dtype == "float32" and which == 2:
+            target[j].reshape(-1)[:] = np.where(target[j].reshape(-1) == 0, -0.0, 1)
+        else:
+            target[j].reshape(-1)[-1] += 1
+    fields = {"obs": (dtype, (k, *shape)), "next_obs": (dtype, (k, *shape))}
+    plain = TieredBuffer(BufferConfig.build(capacity=300, fields=fields))
+    framed = TieredBuffer(BufferConfig.build(capacity=300, fields=fields, frame_capacity=3_000,
+                                             frame_stack={"obs": 0},
+                                             next_of={"next_obs": "obs"}))
+    if pattern == "steps":
+        batches = [(obs[:, t], nxt[:, t]) for t in range(steps)]
+    else:
+        batches = [(obs[s, t:t + 12], nxt[s, t:t + 12]) for t in range(0, steps, 12)
+                   for s in range(streams)]
+    for o, x in batches:
+        for buf in (plain, framed):
+            buf.push_batch({"obs": o, "next_obs": x})
+    got, want = framed.contents(), plain.contents()
+    for name in want:  # bytes, not values: -0.0 is not 0.0
+        assert got[name].tobytes() == want[name].tobytes(), name
+    info = framed.info()
+    assert info.stored_bytes < 0.6 * info.logical_bytes  # still shared where equal
