@@ -383,3 +383,24 @@ def test_near_misses_of_the_predicted_frames_are_stored_apart(pattern, dtype):
         assert got[name].tobytes() == want[name].tobytes(), name
     info = framed.info()
     assert info.stored_bytes < 0.6 * info.logical_bytes  # still shared where equal
+
+
+def test_large_frames_are_shared_and_read_back_exactly():
+    """Frames of more than 4,096 words (raw Atari RGB, 210x160x3): fingerprinted whole."""
+    rng = np.random.default_rng(8)
+    frames = rng.integers(0, 256, (12, 210, 160, 3), np.uint8)
+    frames[5] = frames[4]
+    frames[6].reshape(-1)[-1] ^= 1  # differs from 7 in its last byte only
+    frames[7] = frames[6]
+    frames[7].reshape(-1)[-1] ^= 1
+    obs = np.stack([frames[t:t + 2] for t in range(10)])
+    nxt = np.stack([frames[t + 1:t + 3] for t in range(10)])
+    fields = {"obs": ("uint8", (2, 210, 160, 3)), "next_obs": ("uint8", (2, 210, 160, 3))}
+    buf = TieredBuffer(BufferConfig.build(capacity=20, fields=fields, frame_stack={"obs": 0},
+                                          next_of={"next_obs": "obs"}))
+    buf.push_batch({"obs": obs[:4], "next_obs": nxt[:4]})
+    for t in range(4, 10):
+        buf.push_batch({"obs": obs[t:t + 1], "next_obs": nxt[t:t + 1]})
+    got = buf.contents()
+    assert got["obs"].tobytes() == obs.tobytes() and got["next_obs"].tobytes() == nxt.tobytes()
+    assert buf.info().stored_bytes < 12 * frames[0].nbytes  # 11 distinct frames, ids aside

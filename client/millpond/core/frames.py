@@ -257,9 +257,10 @@ def _fingerprints(frames: np.ndarray) -> np.ndarray:
     if frames.dtype != np.uint64:  # frames whose bytes are not whole words
         return np.array([zlib.crc32(frame.tobytes()) for frame in frames], np.uint64)
     keys = _KEYS
-    if frames.shape[1] > len(keys):  # (large frames: the multipliers repeat, scaled)
-        keys = np.resize(keys, frames.shape[1]) * np.uint64(3)
-        keys[:len(_KEYS)] = _KEYS
+    if frames.shape[1] > len(keys):  # (large frames: the multipliers repeat, times 3, 5, ...)
+        width = frames.shape[1]
+        keys = np.resize(keys, width) * (np.arange(width, dtype=np.uint64)
+                                         // np.uint64(len(_KEYS)) * np.uint64(2) + np.uint64(1))
     return frames @ keys[:frames.shape[1]]
 
 
