@@ -330,7 +330,7 @@ class _State:
         # the last push's successor values' ids (its first target, or without one its
         # source), [rows, k]: where the next push's sources likely continue
         self.prev: np.ndarray | None = None
-        self.likely = 1  # the prediction that served the last push (a hint: Frames._modes)
+        self.likely = 1  # the prediction that served the last push most (see Frames._modes)
 
     def head(self, first: int, pushed: int) -> int:
         """The smallest id a record in ``[first, pushed)`` refers to (``tail``: none)."""
@@ -392,7 +392,7 @@ class Frames:
         for i, group in enumerate(self.groups):
             state = self.states[i]
             head = state.head(first, pushed)
-            ids, new = self._plan(i, group, batch, n)
+            ids, new, likely = self._plan(i, group, batch, n)
             low = min([head] + [int(a.min()) for a in ids.values() if a.size])
             if state.tail + len(new) - low > self.capacity:
                 raise StorageFullError(
@@ -400,9 +400,9 @@ class Frames:
                     f"the live records refer to {state.tail - head:,} and this push adds "
                     f"{len(new):,}: give the buffer a larger frame_capacity (frames do not "
                     "repeat as often as the default assumes)")
-            plans.append((ids, new))
+            plans.append((ids, new, likely))
         seqs = np.arange(pushed, pushed + n, dtype=np.int64)
-        for i, (ids, new) in enumerate(plans):
+        for i, (ids, new, likely) in enumerate(plans):
             state = self.states[i]
             if new:
                 self.rings[i].write(state.tail, np.stack([frame for frame, _ in new]))
@@ -414,12 +414,14 @@ class Frames:
                 state.add(seqs, np.min(np.stack([a.min(axis=1) for a in ids.values()]), axis=0))
                 group = self.groups[i]
                 state.prev = ids[group.fields[1] if len(group.fields) > 1 else group.source]
+                state.likely = likely
             stored.update(ids)
         return stored
 
     def _plan(self, i: int, group: FrameGroup, batch: Mapping[str, np.ndarray], n: int
-              ) -> tuple[dict[str, np.ndarray], list[tuple[np.ndarray, int]]]:
-        """Each value's frame ids, and the frames to write (with their keys).
+              ) -> tuple[dict[str, np.ndarray], list[tuple[np.ndarray, int]], int]:
+        """Each value's frame ids, the frames to write (with their keys), and which
+        prediction served the sources most (see :meth:`_modes`).
 
         Where frames usually repeat is checked first, for the whole batch at once (bytes
         compared, row by row: a prediction is never trusted): a target's first ``k - 1``
@@ -434,7 +436,7 @@ class Frames:
         k, tail, oldest = group.k, state.tail, state.tail - self.window
         source, targets = group.source, group.fields[1:]
         if not n:
-            return {name: np.empty((0, k), np.int64) for name in group.fields}, []
+            return {name: np.empty((0, k), np.int64) for name in group.fields}, [], state.likely
         values = {name: batch[name].reshape((n, 1) + group.frame_shape) if group.axis is None
                   else np.moveaxis(batch[name], 1 + group.axis, 1) for name in group.fields}
         words = {name: _words(value, n, k) for name, value in values.items()}
@@ -494,7 +496,7 @@ class Frames:
                     new.append((values[name][r, j], key))
                 lists[name].append(out)
         ids = {name: np.array(rows, np.int64).reshape(n, k) for name, rows in lists.items()}
-        return ids, new
+        return ids, new, 2 if (mode == 2).sum() > (mode == 1).sum() else 1
 
     def _modes(self, state: _State, ring: Ring, words: Mapping[str, np.ndarray], source: str,
                ahead: str | None, n: int, k: int, oldest: int) -> np.ndarray:
@@ -525,8 +527,6 @@ class Frames:
                     else _rows_equal(src[rows, :-1], held[:, 1:]))
             part = mode[rows]
             part[(part == 0) & same] = kind
-        if n:
-            state.likely = 2 if (mode == 2).sum() > (mode == 1).sum() else 1
         return mode
 
     def _forget(self, state: _State) -> None:
