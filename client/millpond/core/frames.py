@@ -438,6 +438,7 @@ class Frames:
         if not n:
             return {name: np.empty((0, k), np.int64) for name in group.fields}, [], state.likely
         values = {name: batch[name].reshape((n, 1) + group.frame_shape) if group.axis is None
+                  else batch[name] if group.axis == 0  # (the stack axis already first)
                   else np.moveaxis(batch[name], 1 + group.axis, 1) for name in group.fields}
         words = {name: _words(value, n, k) for name, value in values.items()}
         ids = {name: np.empty((n, k), np.int64) for name in group.fields}
