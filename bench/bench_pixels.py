@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+from bench_pixel_pushes import section as pushes_section
 
 from millpond.core.buffer import TieredBuffer
 from millpond.core.config import BufferConfig
@@ -62,3 +63,4 @@ def section(quick: bool, seconds: float, timed_rate: Callable) -> None:
                   f"= {rate[label] / rate['plain']:.2f}x plain")
         for buf in buffers.values():
             buf.close()
+        pushes_section(game, data, seconds / 3, timed_rate)  # (bench_pixel_pushes.py)

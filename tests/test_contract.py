@@ -19,22 +19,48 @@ import millpond
 _names = itertools.count()
 
 
+def frame_options(total: int, obs_dim=None, fields=None) -> dict:
+    """Frames stored once for a schema with ``obs`` and ``next_obs`` alike: ``obs`` a stack
+    along axis 0 (if it has one), ``next_obs`` next_of it, a frame store that always
+    suffices (``2 k`` frames per record held or pushed at once: see millpond.core.frames);
+    nothing for another schema."""
+    if fields is None:
+        if obs_dim is None:
+            return {}
+        shape: tuple = (obs_dim,)
+    else:
+        spec = {name: (np.dtype(dtype).str, tuple(np.atleast_1d(dims)) if dims != () else ())
+                for name, (dtype, dims) in dict(fields).items()}
+        if "obs" not in spec or spec.get("next_obs") != spec["obs"]:
+            return {}
+        shape = spec["obs"][1]
+    k = shape[0] if shape else 1
+    return {"next_of": {"next_obs": "obs"}, "frame_stack": {"obs": 0} if shape else None,
+            "frame_capacity": 2 * k * (total + 4096) + 64}
+
+
 @pytest.fixture(params=["local", pytest.param("grpc", marks=pytest.mark.daemon),
                         pytest.param("shm", marks=pytest.mark.daemon),
-                        pytest.param("aio", marks=pytest.mark.daemon)])
+                        pytest.param("aio", marks=pytest.mark.daemon), "pixel",
+                        pytest.param("pixel-grpc", marks=pytest.mark.daemon)])
 def make(request, tmp_path):
     """make(hot, total, obs_dim=, act_dim= | fields=) -> a buffer on the backend under test.
 
     "grpc" and "shm" are remote buffers on a real daemon, with bulk data over
     gRPC and over the shared-memory fast path respectively; "aio" one made by
-    millpond.aio's client (its calls awaited on an event loop of their own).
+    millpond.aio's client (its calls awaited on an event loop of their own);
+    "pixel" and "pixel-grpc" in-process and remote buffers storing frames once
+    (:func:`frame_options`): they must behave as the others.
     """
     made = []
 
     def factory(hot, total, obs_dim=None, act_dim=None, fields=None):
-        if request.param == "local":
+        frames = (frame_options(total, obs_dim, fields)
+                  if request.param.startswith("pixel") else {})
+        if request.param in ("local", "pixel"):
             buf = millpond.MmapReplayBuffer(
-                hot, total, obs_dim, act_dim, tmp_path / f"b{next(_names)}.cold", fields=fields
+                hot, total, obs_dim, act_dim, tmp_path / f"b{next(_names)}.cold", fields=fields,
+                **frames
             )
         elif request.param == "aio":
             server, loop = request.getfixturevalue("shared_server"), request.getfixturevalue("aio_loop")
@@ -45,11 +71,12 @@ def make(request, tmp_path):
                 obs_dim=obs_dim, act_dim=act_dim, fields=fields)), own_client=True)
         else:
             server = request.getfixturevalue("shared_server")
-            client = millpond.connect(server.address, shm=request.param == "shm")
-            assert client.transport == request.param
+            transport = request.param.removeprefix("pixel-")
+            client = millpond.connect(server.address, shm=transport == "shm")
+            assert client.transport == transport
             buf = client.create_buffer(
                 f"contract-{next(_names)}", hot_capacity=hot, total_capacity=total,
-                obs_dim=obs_dim, act_dim=act_dim, fields=fields,
+                obs_dim=obs_dim, act_dim=act_dim, fields=fields, **frames
             )
         made.append(buf)
         return buf

@@ -22,7 +22,7 @@ from support import run_everywhere
 
 import millpond
 
-FIELDS = {"id": ("int64", ()), "obs": ("float32", (3,))}
+FIELDS = {"id": ("int64", ()), "obs": ("float32", (3,)), "next_obs": ("float32", (3,))}
 KINDS = {
     "ram": dict(capacity=12),
     "tiered": dict(hot_capacity=4, total_capacity=12),
@@ -32,6 +32,9 @@ KINDS = {
     "queue": dict(capacity=12, mode="queue"),
     "stack": dict(hot_capacity=3, total_capacity=12, mode="stack"),
     "max_times_sampled": dict(hot_capacity=4, total_capacity=12, max_times_sampled=2),
+    # frames stored once: obs a stack of 3 (scalar) frames, next_obs the next record's obs
+    "pixel": dict(hot_capacity=4, total_capacity=12, frame_stack={"obs": 0},
+                  next_of={"next_obs": "obs"}),
 }
 TRANSPORTS = ("local", "grpc", "shm")
 # The transports of the tests of threads sharing a client: these, and the asyncio client.
@@ -40,10 +43,13 @@ SMALL = 0.05  # seconds: a timeout short enough to expire in a test
 _names = itertools.count()
 
 
-def records(start: int, n: int, width: int = 3) -> dict[str, np.ndarray]:
-    """Self-describing records: obs is derived from id."""
+def records(start: int, n: int, width: int = 3, next_obs: bool = True) -> dict[str, np.ndarray]:
+    """Self-describing records: obs is derived from id, next_obs is the next id's obs."""
     ids = np.arange(start, start + n)
-    return {"id": ids, "obs": np.repeat(ids[:, None] * 0.5, width, axis=1).astype(np.float32)}
+    out = {"id": ids, "obs": np.repeat(ids[:, None] * 0.5, width, axis=1).astype(np.float32)}
+    if next_obs:
+        out["next_obs"] = np.repeat((ids[:, None] + 1) * 0.5, width, axis=1).astype(np.float32)
+    return out
 
 
 def local_buffer(tmp_path, spec: dict, fields: dict = FIELDS):
@@ -155,19 +161,22 @@ def test_every_kind_behaves_the_same_on_every_transport(three, kind):
 # 8 KB records: a call of 8 or more moves over 64 KiB, which millpond.aio sends through
 # shared memory (on its threads) when the buffer cannot make it wait, else over gRPC.
 LARGE = {"id": ("int64", ()), "obs": ("float32", (2048,))}
+LARGE_PIXEL = {"id": ("int64", ()), "obs": ("float32", (1024,)), "next_obs": ("float32", (1024,))}
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_large_calls_have_the_same_outcomes_on_every_kind(shared_server, aio_loop, tmp_path,
                                                           kind):
     spec, name = KINDS[kind], f"kinds-large-{kind}-{next(_names)}"
-    bufs = {"local": local_buffer(tmp_path, spec, LARGE),
+    pixel = "next_of" in spec  # (the same 8 KB records: obs and next_obs of 4 KB)
+    fields = LARGE_PIXEL if pixel else LARGE
+    bufs = {"local": local_buffer(tmp_path, spec, fields),
             "shm": millpond.connect(shared_server.address, shm=True).create_buffer(
-                f"{name}-shm", fields=LARGE, **spec)}
+                f"{name}-shm", fields=fields, **spec)}
     client = aio_loop.connect(shared_server.address)
     bufs["aio"] = SyncBuffer(aio_loop, aio_loop.run(client.create_buffer(
-        f"{name}-aio", fields=LARGE, **spec)), own_client=True)
-    big = lambda start, n: records(start, n, 2048)  # noqa: E731
+        f"{name}-aio", fields=fields, **spec)), own_client=True)
+    big = lambda start, n: records(start, n, 1024 if pixel else 2048, next_obs=pixel)  # noqa: E731
     calls = [lambda b: b.push_batch(**big(0, 6), timeout=0),  # (timeout=0: only try)
              lambda b: b.push_batch(**big(6, 4), timeout=0),
              lambda b: b.sample(9, seed=1, timeout=0),

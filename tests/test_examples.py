@@ -49,6 +49,15 @@ def test_apex_dqn_actors_and_learner_improve_the_policy():
     assert figures["best"] > figures["first"] + 20
 
 
+@pytest.mark.timeout(150)
+def test_apex_pong_stores_frames_once():
+    pytest.importorskip("ale_py")
+    pytest.importorskip("cv2")
+    figures = run("apex_pong.py", "--short", timeout=140)
+    assert figures["updates"] > 0 and figures["steps"] >= 1_000
+    assert figures["stored"] * 7.5 <= figures["plain"]  # about one new 84x84 frame each
+
+
 @pytest.mark.timeout(120)
 def test_offline_bc_from_an_exported_dataset():
     figures = run("offline_bc.py", "--short")

@@ -191,9 +191,9 @@ def test_dict_observations_match_sb3s_dict_buffer(where):
 
 def test_what_is_refused_is_refused_clearly():
     space, act = spaces_of("box-discrete")
-    with pytest.raises(ValueError, match="optimize_memory_usage"):
-        mp_sb3.ReplayBuffer(100, space, act, optimize_memory_usage=True,
-                            handle_timeout_termination=False)
+    with pytest.raises(ValueError, match="optimize_memory_usage"):  # as SB3's
+        mp_sb3.NStepReplayBuffer(100, space, act, optimize_memory_usage=True,
+                                 handle_timeout_termination=False)
     with pytest.raises(ValueError, match="DictReplayBuffer"):
         mp_sb3.ReplayBuffer(100, spaces.Dict({"a": space}), act)
     with pytest.raises(Exception, match="address"):

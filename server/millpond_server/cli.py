@@ -333,8 +333,9 @@ def format_inspection(found: Any, limit: int | None = 20) -> str:
     meta = found.meta
     if meta is not None:
         spare = f" (+{meta['spare']:,} spare)" if meta.get("spare") else ""
+        # a buffer with frames: its fields as pushed ("fields"), not as its tiers hold them
         fields = " ".join(f"{name}:{dtype}" + (f"[{','.join(map(str, shape))}]" if shape else "")
-                          for name, (dtype, shape) in meta["schema"].items())
+                          for name, (dtype, shape) in meta.get("fields", meta["schema"]).items())
         lines += [
             f"schema    {fields}",
             f"capacity  hot {meta['hot_capacity']:,}{spare}, cold {meta['cold_capacity']:,}, "
@@ -365,8 +366,39 @@ def format_inspection(found: Any, limit: int | None = 20) -> str:
                      f"check: seqs {', '.join(map(str, shown))}{more}")
     else:
         lines.append(f"checks    {found.checked:,} records checked ({what}): all pass")
+    lines += _frame_lines(found, limit)
     lines.append("status    " + ("healthy" if found.status == 0 else "DAMAGED"))
     return "\n".join(lines)
+
+
+def _frame_lines(found: Any, limit: int | None) -> list[str]:
+    """The frame rings of a format 6 file, as ``millpond inspect`` reports them."""
+    lines = []
+    for ring in found.frames:
+        shape = ",".join(map(str, ring.frame_shape))
+        stack = (f"stacks of {ring.k} along axis {ring.axis}" if ring.axis is not None
+                 else "one frame per value")
+        nexts = f" (and {', '.join(ring.fields[1:])} next_of it)" if len(ring.fields) > 1 else ""
+        check = "id and checksum" if ring.checksummed else "id; no checksums: not persistent"
+        lines.append(f"frames    {ring.source}: {stack}{nexts}; ring of {ring.capacity:,} "
+                     f"frames {ring.dtype}[{shape}]")
+        if len(ring.damaged):
+            shown = ring.damaged.tolist() if limit is None else ring.damaged[:limit].tolist()
+            more = ("" if len(shown) == len(ring.damaged)
+                    else f" ... (+{len(ring.damaged) - len(shown):,}; --all-seqs)")
+            lines.append(f"DAMAGED   {len(ring.damaged):,} of {ring.referred:,} frames of "
+                         f"{ring.source} fail their {check} check: frames "
+                         f"{', '.join(map(str, shown))}{more}")
+        else:
+            lines.append(f"checks    {ring.referred:,} frames of {ring.source} the records refer "
+                         f"to checked ({check}): all pass")
+    bad = found.frame_damaged
+    if len(bad):
+        shown = bad.tolist() if limit is None else bad[:limit].tolist()
+        more = "" if len(shown) == len(bad) else f" ... (+{len(bad) - len(shown):,}; --all-seqs)"
+        lines.append(f"DAMAGED   {len(bad):,} records refer to a damaged frame (a reopen with "
+                     f"skip-corrupt leaves them out): seqs {', '.join(map(str, shown))}{more}")
+    return lines
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,8 +16,11 @@ stacked is one frame: ``k = 1``). So the records stay fixed-size, in both tiers,
 with their seqs and checksums, and the frames beside them.
 
 **Pushes** (:meth:`Frames.encode`): every frame of every value pushed is looked up
-by content among the frames written recently (the last ``window`` ids): a crc32
-finds a candidate and the frame's bytes are compared with it, always, so a frame
+by content among the frames written recently (the last ``window`` ids): where frames
+usually repeat is checked first for the whole batch (a stack against its record's
+other field shifted by a frame, against the record before it, against the same row
+of the last push), the rest one by one, a 64-bit fingerprint finding a candidate;
+either way the frame's bytes are compared with the candidate's, always, so a frame
 is shared only with an *equal* frame, and a value read back is exactly the value
 pushed. What is not found is written as a new frame. So the newest frame of a
 stack is new and its other frames are its predecessor's; ``next_obs`` and the
@@ -76,7 +79,7 @@ import collections
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import numpy as np
 
@@ -294,6 +297,52 @@ def frame_regions(groups: tuple[FrameGroup, ...], capacity: int, checksums: bool
     return {**regions, **arenas}
 
 
+# Odd 64-bit multipliers of a frame's 8-byte words: a frame's fingerprint is their dot
+# product with its words (mod 2**64), computed for a batch's frames at once.
+_KEYS = np.random.default_rng(0x6D696C6C706F6E64).integers(1, 2**63, 1 << 12, np.uint64) | 1
+
+
+def _words(values: np.ndarray, n: int, k: int) -> np.ndarray:
+    """``n`` values of ``k`` frames as their bytes, ``[n, k, words]``: 8-byte words where
+    a frame's bytes divide into them, else bytes (a copy only if ``values`` is not
+    contiguous, e.g. a stack along another axis than 0)."""
+    raw = np.ascontiguousarray(values).reshape(n, k, -1).view(np.uint8)
+    return raw.view(np.uint64) if raw.shape[2] % 8 == 0 else raw
+
+
+def _rows_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Which rows (first axis) of ``a`` and ``b`` are equal, word for word."""
+    if not a.size:
+        return np.ones(len(a), bool)
+    # (as 2-D rows: the slices of a stack compare as one run of words per row)
+    return (a.reshape(len(a), -1) == b.reshape(len(b), -1)).all(axis=1)
+
+
+def _fingerprint_grid(words: np.ndarray, needed: np.ndarray) -> list[list[int]]:
+    """The fingerprints of the frames ``needed`` (``[n, k]`` bool) of values ``words``
+    (``[n, k, w]``, as :func:`_words` makes them), as nested lists (0 where not needed):
+    a 64-bit fingerprint of a frame's bytes, equal for equal frames (a candidate found by
+    one is still compared)."""
+    grid = np.zeros(needed.shape, np.uint64)
+    if needed.all():
+        grid[...] = _fingerprints(words.reshape(-1, words.shape[2])).reshape(needed.shape)
+    elif needed.any():
+        grid[needed] = _fingerprints(words[needed])
+    return cast("list[list[int]]", grid.tolist())
+
+
+def _fingerprints(frames: np.ndarray) -> np.ndarray:
+    """:func:`_fingerprint_grid` of frames ``[m, w]``."""
+    if frames.dtype != np.uint64:  # frames whose bytes are not whole words
+        return np.array([zlib.crc32(frame.tobytes()) for frame in frames], np.uint64)
+    keys = _KEYS
+    if frames.shape[1] > len(keys):  # (large frames: the multipliers repeat, times 3, 5, ...)
+        width = frames.shape[1]
+        keys = np.resize(keys, width) * (np.arange(width, dtype=np.uint64)
+                                         // np.uint64(len(_KEYS)) * np.uint64(2) + np.uint64(1))
+    return frames @ keys[:frames.shape[1]]
+
+
 class Ring:
     """One group's frames: ``frames[F, *frame_shape]``, the id each slot holds
     (``ids``, -1: none yet) and, in a persistent file, each frame's checksum."""
@@ -327,6 +376,22 @@ class Ring:
     def frame(self, frame_id: int) -> np.ndarray:
         return self.frames[frame_id % self.capacity]
 
+    def copy_out(self, frame_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Copies of frames ``frame_ids``, of the ids their slots hold (another id: the
+        frame is gone) and of their stored checksums (None: a ring in RAM keeps none)."""
+        slots = frame_ids % self.capacity
+        return (self.frames[slots], self.ids[slots],
+                None if self.sums is None else self.sums[slots])
+
+    def put(self, frame_ids: np.ndarray, frames: np.ndarray, sums: np.ndarray) -> None:
+        """Store frames with ids ``frame_ids`` (no two in one slot) and their checksums:
+        a snapshot's copy of another ring's frames (see :mod:`.snapshot`)."""
+        slots = frame_ids % self.capacity
+        self.frames[slots] = frames
+        self.ids[slots] = frame_ids
+        if self.sums is not None:
+            self.sums[slots] = sums
+
     def release(self) -> None:
         self.frames = np.empty((0,), np.uint8)
         self.ids = np.empty(0, ID_DTYPE)
@@ -335,7 +400,7 @@ class Ring:
 
 class _State:
     """A ring's bookkeeping: ``tail`` (next id), the live records' smallest ids
-    (monotone deque of ``(seq, min id)``), the recent frames by crc32 and, for a
+    (monotone deque of ``(seq, min id)``), the recent frames by fingerprint and, for a
     compressed ring, their raw bytes by id (``raws``: the ring holds them compressed)."""
 
     def __init__(self) -> None:
@@ -343,6 +408,10 @@ class _State:
         self.mins: collections.deque[tuple[int, int]] = collections.deque()
         self.recent: dict[int, int] = {}
         self.raws: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        # the last push's successor values' ids (its first target, or without one its
+        # source), [rows, k]: where the next push's sources likely continue
+        self.prev: np.ndarray | None = None
+        self.likely = 1  # the prediction that served the last push most (see Frames._modes)
 
     def head(self, first: int, pushed: int) -> int:
         """The smallest id a record in ``[first, pushed)`` refers to (``tail``: none)."""
@@ -434,7 +503,7 @@ class Frames:
         for i, group in enumerate(self.groups):
             state, ring = self.states[i], self.rings[i]
             head = state.head(first, pushed)
-            ids, new = self._plan(i, group, batch, n, head)
+            ids, new, likely = self._plan(i, group, batch, n, head)
             low = min([head] + [int(a.min()) for a in ids.values() if a.size])
             if state.tail + len(new) - low > self.capacity:
                 raise StorageFullError(
@@ -442,26 +511,25 @@ class Frames:
                     f"the live records refer to {state.tail - head:,} and this push adds "
                     f"{len(new):,}: give the buffer a larger frame_capacity (frames do not "
                     "repeat as often as the default assumes)")
-            prepared = None
+            raws, prepared = None, None
             if isinstance(ring, Arena):
-                prepared = ring.prepare(ring.compress_many([raw for _, _, raw in new]), low,
-                                        state.tail, group.source)
-            plans.append((ids, new, prepared))
+                raws = [np.ascontiguousarray(frame).tobytes() for frame, _ in new]
+                prepared = ring.prepare(ring.compress_many(raws), low, state.tail, group.source)
+            plans.append((ids, new, likely, raws, prepared))
         seqs = np.arange(pushed, pushed + n, dtype=np.int64)
-        for i, (ids, new, prepared) in enumerate(plans):
+        for i, (ids, new, likely, raws, prepared) in enumerate(plans):
             state, ring = self.states[i], self.rings[i]
             if new:
                 if isinstance(ring, Arena):
                     assert prepared is not None
                     ring.write(state.tail, prepared)
                 else:
-                    ring.write(state.tail, np.stack([frame for frame, _, _ in new]))
+                    ring.write(state.tail, np.stack([frame for frame, _ in new]))
                 if self.groups[i].share:
-                    keep_raw = isinstance(ring, Arena)
-                    for j, (_, key, raw) in enumerate(new):
+                    for j, (_, key) in enumerate(new):
                         state.recent[key] = state.tail + j
-                        if keep_raw:
-                            state.raws[state.tail + j] = raw
+                        if raws is not None:
+                            state.raws[state.tail + j] = raws[j]
                     window = self.windows[i]
                     while len(state.raws) > window:  # (ids in order: the oldest first)
                         state.raws.popitem(last=False)
@@ -469,49 +537,155 @@ class Frames:
                 self._forget(i, state)
             if n:
                 state.add(seqs, np.min(np.stack([a.min(axis=1) for a in ids.values()]), axis=0))
+                group = self.groups[i]
+                state.prev = ids[group.fields[1] if len(group.fields) > 1 else group.source]
+                state.likely = likely
             stored.update(ids)
         return stored
 
     def _plan(self, i: int, group: FrameGroup, batch: Mapping[str, np.ndarray], n: int,
-              head: int) -> tuple[dict[str, np.ndarray], list[tuple[np.ndarray, int, bytes]]]:
-        """Each value's frame ids, and the frames to write (with their crc32 and bytes)."""
-        state, ring = self.states[i], self.rings[i]
-        tail = state.tail
-        ids = {name: np.empty((n, group.k), np.int64) for name in group.fields}
-        new: list[tuple[np.ndarray, int, bytes]] = []
+              head: int) -> tuple[dict[str, np.ndarray], list[tuple[np.ndarray, int]], int]:
+        """Each value's frame ids, the frames to write (with their keys), and which
+        prediction served the sources most (see :meth:`_modes`).
+
+        Where frames usually repeat is checked first, for the whole batch at once (bytes
+        compared, row by row: a prediction is never trusted): a target's first ``k - 1``
+        frames against its record's source's last ``k - 1`` (``next_of`` of a stack);
+        a source value against the target of the record before it (one stream's
+        consecutive records) or else of the same row of the previous push (streams
+        stepping together); without targets, a stack's first ``k - 1`` frames against
+        the last ``k - 1`` of those values. The other frames are looked up one by one
+        among the recent ones by a 64-bit fingerprint of their bytes, and shared only
+        with a candidate whose bytes are equal."""
+        state = self.states[i]
+        k, tail = group.k, state.tail
+        source, targets = group.source, group.fields[1:]
+        if not n:
+            return {name: np.empty((0, k), np.int64) for name in group.fields}, [], state.likely
         if not group.share:  # each value is new
-            new = [(np.asarray(v), 0, np.ascontiguousarray(v).tobytes()) for v in batch[group.source]]
-            ids[group.source][:, 0] = np.arange(tail, tail + n)
-            return ids, new
-        compressed = isinstance(ring, Arena)
+            ids = {source: np.arange(tail, tail + n, dtype=np.int64).reshape(n, 1)}
+            return ids, [(np.asarray(v), 0) for v in batch[source]], state.likely
         oldest = tail - self.windows[i]
-        if compressed:  # a frame before the head may be overwritten already
+        if isinstance(self.rings[i], Arena):  # a frame before the head may be overwritten already
             oldest = max(oldest, head)
-        recent, raws_of = state.recent, state.raws
-        found: dict[int, int] = {}  # this push's new frames by crc32
-        values = {name: batch[name] if group.axis is None
+        values = {name: batch[name].reshape((n, 1) + group.frame_shape) if group.axis is None
+                  else batch[name] if group.axis == 0  # (the stack axis already first)
                   else np.moveaxis(batch[name], 1 + group.axis, 1) for name in group.fields}
-        for r in range(n):
+        words = {name: _words(value, n, k) for name, value in values.items()}
+        ids = {name: np.empty((n, k), np.int64) for name in group.fields}
+        # 1. the predictions, checked in bulk: each row against the likelier one first
+        src = words[source]
+        shift = {t: _rows_equal(words[t][:, :-1], src[:, 1:]) if k > 1 else np.zeros(n, bool)
+                 for t in targets}
+        ahead = targets[0] if targets else None  # the field holding a source's successor
+        if ahead is None and k == 1:
+            mode = np.zeros(n, np.int8)  # (single frames without a next_of: nothing to predict)
+        else:
+            mode = self._modes(i, words, source, ahead, n, k, oldest)
+        # 2. the frames looked up one by one, in record order: their fingerprints at once
+        rest = 0 if ahead is not None else 1  # frames a predicted source still looks up
+        needed = {source: np.repeat((mode == 0)[:, None], k, axis=1)}
+        needed[source][:, k - rest:] |= True
+        for t in targets:
+            needed[t] = np.repeat(~shift[t][:, None], k, axis=1)
+            needed[t][:, -1] = True
+        keys = {name: _fingerprint_grid(words[name], mask) for name, mask in needed.items()}
+        # 3. the ids, record by record (lists: cheaper than rows of arrays here)
+        recent = state.recent
+        found: dict[int, int] = {}  # this push's new frames by fingerprint
+        new: list[tuple[np.ndarray, int]] = []
+        prev = state.prev.tolist() if state.prev is not None else []
+        lists: dict[str, list[list[int]]] = {name: [] for name in group.fields}
+        shifted = {t: mask.tolist() for t, mask in shift.items()}
+        for r, m in enumerate(mode.tolist()):
             for name in group.fields:
-                value = values[name][r]
-                out = ids[name][r]
-                for j in range(group.k):
-                    frame = np.asarray(value if group.axis is None else value[j])
-                    raw = frame.tobytes()  # bytes compared: -0.0 is not 0.0, NaN is itself
-                    key = zlib.crc32(raw)
+                if name == source:
+                    if not m:
+                        out, first = [0] * k, 0
+                    else:
+                        before = (prev[r] if m == 2 else
+                                  lists[ahead][r - 1] if ahead is not None else lists[source][r - 1])
+                        out = list(before) if ahead is not None else before[1:] + [0]
+                        first = k - rest
+                elif shifted[name][r]:
+                    out, first = lists[source][r][1:] + [0], k - 1
+                else:
+                    out, first = [0] * k, 0
+                row = keys[name][r]
+                for j in range(first, k):
+                    key = row[j]
                     hit = found.get(key)
-                    if hit is not None and new[hit - tail][2] == raw:
-                        out[j] = hit
-                        continue
-                    hit = recent.get(key)
-                    if hit is not None and oldest <= hit < tail and (
-                            raws_of.get(hit) == raw if compressed
-                            else ring.frame(hit).tobytes() == raw):  # type: ignore[union-attr]
-                        out[j] = hit
-                        continue
+                    if hit is None:
+                        hit = recent.get(key)
+                        if hit is not None and not oldest <= hit < tail:
+                            hit = None
+                    if hit is not None:
+                        raw = values[name][r, j].tobytes()
+                        held = new[hit - tail][0].tobytes() if hit >= tail else self._held(i, hit)
+                        if held == raw:  # bytes compared: -0.0 is not 0.0, NaN is itself
+                            out[j] = hit
+                            continue
                     out[j] = found[key] = tail + len(new)
-                    new.append((frame, key, raw))
-        return ids, new
+                    new.append((values[name][r, j], key))
+                lists[name].append(out)
+        ids = {name: np.array(rows, np.int64).reshape(n, k) for name, rows in lists.items()}
+        return ids, new, 2 if (mode == 2).sum() > (mode == 1).sum() else 1
+
+    def _modes(self, i: int, words: Mapping[str, np.ndarray], source: str,
+               ahead: str | None, n: int, k: int, oldest: int) -> np.ndarray:
+        """Where each source value continues (bytes compared): 1, the successor of the
+        record before it in the batch; 2, that of the same row of the last push; 0,
+        neither. (A successor: the ``ahead`` target, or without one the source itself
+        shifted by a frame.) The kind that served the last push is tried first."""
+        state = self.states[i]
+        src = words[source]
+        mode = np.zeros(n, np.int8)
+        prev = state.prev
+        # (all rows compared, as slices: a copy of the rows still open would cost more)
+        for kind in ((2, 1) if state.likely == 2 else (1, 2)):
+            if kind == 1:
+                if n < 2 or mode[1:].all():
+                    continue
+                rows = slice(1, n)
+                held = words[ahead][:-1] if ahead is not None else src[:-1]
+            else:
+                if prev is None:
+                    continue
+                m = min(n, len(prev))
+                if not m or mode[:m].all() or prev[:m].min() < oldest:
+                    continue
+                frames = self._held_frames(i, prev[:m].reshape(-1))
+                if frames is None:
+                    continue
+                rows = slice(0, m)
+                held = _words(frames, m, k)
+            same = (_rows_equal(src[rows], held) if ahead is not None
+                    else _rows_equal(src[rows, :-1], held[:, 1:]))
+            part = mode[rows]
+            part[(part == 0) & same] = kind
+        return mode
+
+    def _held(self, i: int, frame_id: int) -> bytes | None:
+        """The bytes of frame ``frame_id`` of ring ``i`` (within the window: see
+        :meth:`_plan`), None if a compressed ring no longer keeps them raw."""
+        ring = self.rings[i]
+        if isinstance(ring, Arena):
+            return self.states[i].raws.get(frame_id)
+        return ring.frame(frame_id).tobytes()
+
+    def _held_frames(self, i: int, frame_ids: np.ndarray) -> np.ndarray | None:
+        """Frames ``frame_ids`` of ring ``i`` (within the window), None if a compressed
+        ring no longer keeps one of them raw."""
+        ring = self.rings[i]
+        if not isinstance(ring, Arena):
+            return ring.frames.take(frame_ids % ring.capacity, axis=0)
+        raws = self.states[i].raws
+        held = [raws.get(frame_id) for frame_id in frame_ids.tolist()]
+        if any(raw is None for raw in held):
+            return None
+        group = self.groups[i]
+        return np.frombuffer(b"".join(cast("list[bytes]", held)), group.dtype).reshape(
+            (len(held),) + group.frame_shape)
 
     def _forget(self, i: int, state: _State) -> None:
         """Drop lookups of frames older than the window (now and then: amortized)."""
@@ -600,22 +774,23 @@ class Frames:
         ring (another id in its slot) or fails its checksum: a bool mask."""
         bad = np.zeros(len(seqs), bool)
         for i, group in enumerate(self.groups):
-            ring = self.rings[i]
             for name in group.fields:
                 refs = ids[name]
                 wanted = np.unique(refs)
                 if not len(wanted):
                     continue
-                if isinstance(ring, Arena):
-                    wrong = ring.damaged(wanted)
-                else:
-                    wrong = self._ring_damaged(ring, wanted)
+                wrong = self.failing(i, wanted)
                 if wrong.any():
                     bad |= np.isin(refs, wanted[wrong]).any(axis=1)
         return bad
 
-    @staticmethod
-    def _ring_damaged(ring: Ring, wanted: np.ndarray) -> np.ndarray:
+    def failing(self, i: int, wanted: np.ndarray) -> np.ndarray:
+        """Which frames ``wanted`` (ids) of ring ``i`` are not in it (another id in their
+        slot, or for a compressed ring an offset or length that cannot be) or fail their
+        checksum (a ring that keeps them): a bool mask."""
+        ring = self.rings[i]
+        if isinstance(ring, Arena):
+            return ring.damaged(wanted)
         slots = wanted % ring.capacity
         wrong = (wanted < 0) | (ring.ids[slots] != wanted)
         if ring.sums is not None:

@@ -36,7 +36,7 @@ def recover(path: str | os.PathLike, *, sync_every_push: bool = False, skip_corr
     a hang.
     """
     file = BufferFile.open(os.fspath(path))
-    fifo = None
+    fifo: Fifo | None = None
     try:
         if not file.meta["persistent"]:
             raise CorruptFileError(

@@ -29,13 +29,22 @@ as after eviction. An in-process buffer that is not persistent keeps no raw prio
 (only its sum tree): its records come back with priority 1 (a new buffer's
 ``max_priority``).
 
+A buffer with ``frame_stack`` or ``next_of`` (see :mod:`.frames`) stores its records as
+frame ids beside frame rings. Its snapshot copies the records as stored (the ids) and,
+in the same step, the frames they refer to (still in their ring while the records are
+live), each checked against its own checksum where the ring keeps one (a persistent
+buffer's); a record referring to a frame that fails is dropped as a damaged one. The new
+file has rings of the same ``frame_capacity``, each frame at its id's slot with its
+checksum: the ids of a cut's records span at most a ring, so no two share a slot, and
+the reopen (:func:`.recovery.recover`) checks every frame a live record refers to.
+
 numpy and the standard library only, like the rest of the engine.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
@@ -43,7 +52,8 @@ import numpy as np
 from millpond.core.bufferfile import BufferFile
 from millpond.core.checksum import CHECKSUM_DTYPE, record_checksums
 from millpond.core.fifo import Fifo
-from millpond.core.footprint import slot_arrays_for
+from millpond.core.footprint import frame_regions_for, slot_arrays_for
+from millpond.core.frames import Frames, Ring
 from millpond.core.ring import ring_chunks
 from millpond.core.tier import SEQ_DTYPE, Tier
 from millpond.errors import BufferClosedError, FileConflictError, StorageIOError
@@ -109,6 +119,10 @@ class Step:
     slots: dict[str, np.ndarray]
     gone: np.ndarray
     gone_episodes: np.ndarray
+    # A frame buffer's: per ring, the frames ``kept`` refer to (ids, frames, the ids their
+    # slots held, their stored checksums or None).
+    frames: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = \
+        field(default_factory=list)
 
 
 class Snapshot:
@@ -133,6 +147,8 @@ class Snapshot:
         self.hot_capacity = config.hot_capacity
         self.step = max(1, min(STEP_RECORDS, step_bytes // max(1, config.schema.record_nbytes)))
         self._file: BufferFile | None = None
+        self._frames = buffer._fifo.frames  # the buffer's frame rings (None: a plain buffer)
+        self._rings: Frames | None = None  # the new file's
         self.first = self.pushed = 0  # the cut
         self._next = self._low = 0  # still to look at: [_low, _next), newest first
         self._samples = 0  # a stack's samples at the cut (see _reusable)
@@ -160,10 +176,13 @@ class Snapshot:
             raise FileConflictError(f"{self.path} exists; a snapshot never replaces a file: "
                                     "name another, or move that one away")
         config = self.buffer.config
-        self._file = BufferFile.create(self.path, config.schema, config.hot_capacity,
+        self._file = BufferFile.create(self.path, config.stored_schema, config.hot_capacity,
                                        config.total_capacity, persistent=True,
                                        extra_meta=config.sampling_meta(),
-                                       slot_arrays=slot_arrays_for(config))
+                                       slot_arrays=slot_arrays_for(config),
+                                       frame_regions=frame_regions_for(config, True))
+        if config.frame_groups:
+            self._rings = Frames.in_file(config.frame_groups, self._file.frame_region)
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -200,13 +219,14 @@ class Snapshot:
                 gone |= self._reusable(seqs)
             kept = seqs[~gone]
             rows, stored, checked, wrong = self._gather(kept, fifo)
+            frames = self._copy_frames(rows)
             state = buffer._slot_state()
             slots = self._slot_values(kept, state)
             lost = seqs[gone]
             episodes = (state["episode"][lost % self.total_capacity].copy()
                         if "episode" in state and len(lost) else np.empty(0, np.int64))
             self._next = lo
-        return Step(kept, rows, stored, checked, wrong, slots, lost, episodes)
+        return Step(kept, rows, stored, checked, wrong, slots, lost, episodes, frames)
 
     def write(self, step: Step) -> None:
         """Check a step's records (their checksums) and store those that pass in the new
@@ -216,6 +236,8 @@ class Snapshot:
             rows = {name: column[step.checked] for name, column in step.rows.items()}
             bad[step.checked] |= step.stored[step.checked] != self._checksums(
                 rows, step.kept[step.checked].astype(np.uint64))
+        if step.frames:
+            bad |= self._store_frames(step)
         self.damaged += int(bad.sum())
         gaps = np.concatenate([step.gone, step.kept[bad]])
         if len(gaps) and "episode" in step.slots:
@@ -237,6 +259,39 @@ class Snapshot:
                                                  rows.items()}, chunk.new[fresh].astype(np.uint64))
         chunk.checksums = checksums
         self._store(chunk)
+
+    def _copy_frames(self, rows: Mapping[str, np.ndarray]
+                     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]]:
+        """The frames records ``rows`` (stored: frame ids) refer to, per ring (lock held)."""
+        frames = self._frames
+        if frames is None:
+            return []
+        copied = []
+        for group, ring in zip(frames.groups, frames.rings):
+            assert isinstance(ring, Ring)  # (a compressed buffer has no snapshots: see TieredBuffer)
+            ids = np.unique(np.concatenate([rows[name].reshape(-1) for name in group.fields]))
+            copied.append((ids, *ring.copy_out(ids)))
+        return copied
+
+    def _store_frames(self, step: Step) -> np.ndarray:
+        """Check the frames a step copied and store those that pass in the new file's rings;
+        which of the step's records refer to one that failed (gone from its slot, or not
+        matching its checksum)."""
+        assert self._frames is not None and self._rings is not None
+        bad = np.zeros(len(step.kept), bool)
+        for group, ring, (ids, frames, held, sums) in zip(self._frames.groups, self._rings.rings,
+                                                          step.frames):
+            fresh = record_checksums({"frame": frames}, ids.astype(np.uint64))
+            wrong = (held != ids) | (ids < 0)
+            if sums is not None:
+                wrong |= sums != fresh
+            if wrong.any():
+                for name in group.fields:
+                    bad |= np.isin(step.rows[name], ids[wrong]).any(axis=1)
+            good = ~wrong
+            assert isinstance(ring, Ring)
+            ring.put(ids[good], frames[good], fresh[good])
+        return bad
 
     def _store(self, chunk: _Chunk) -> None:
         file = self._file
@@ -284,6 +339,7 @@ class Snapshot:
         except StorageIOError as exc:  # the snapshot's own file: never the buffer's data
             raise OSError(f"syncing snapshot {self.path} failed: {exc}") from exc
         file.publish(replace=self.replace)
+        self._release_rings()
         file.close(delete=False)
         self._file = None
         cut = self.pushed - self.first
@@ -293,8 +349,15 @@ class Snapshot:
     def abort(self) -> None:
         """Remove the partial file (nothing was published). Idempotent."""
         if self._file is not None:
+            self._release_rings()
             self._file.close(delete=True)
             self._file = None
+
+    def _release_rings(self) -> None:
+        """Drop the views of the new file's frame regions (before it is unmapped)."""
+        if self._rings is not None:
+            self._rings.release()
+            self._rings = None
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> CheckpointResult:
         """Every step on this thread (each read under the buffer's lock); ``progress(copied,
@@ -325,7 +388,7 @@ class Snapshot:
         """The rows of live records ``seqs`` (ascending), their stored checksums (and which
         have one: a tier in a persistent file keeps them), and which slots name another
         record than theirs."""
-        schema = self.buffer.config.schema
+        schema = fifo.stored  # frame fields as frame ids
         rows = {f.name: np.empty((len(seqs),) + f.shape, f.dtype) for f in schema}
         stored = np.zeros(len(seqs), CHECKSUM_DTYPE)
         checked = np.zeros(len(seqs), bool)

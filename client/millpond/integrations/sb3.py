@@ -51,8 +51,30 @@ Contract (the same as SB3's own buffers, checked against them in the tests):
   n-step returns at sample time exactly as SB3's ``NStepReplayBuffer`` (see the
   class); with the same seed its batches equal SB3's.
 
-Not supported: ``optimize_memory_usage=True`` (raises ValueError: millpond
-stores ``next_obs`` beside ``obs``) and ``HerReplayBuffer``. There is no
+* ``optimize_memory_usage=True`` (:class:`ReplayBuffer`, :class:`DictReplayBuffer`)
+  stores each next observation once: the millpond buffer is made with
+  ``next_of={"next_obs": "obs"}`` (see :mod:`millpond.core.frames`), so a step's
+  ``next_obs`` shares the storage of the next step's ``obs`` of the same
+  environment and is stored apart only where it differs (an episode's last
+  step). Draws are SB3's for this variant: once the ring is full, the oldest
+  step is never drawn. Samples equal SB3's own buffer's, except the
+  ``next_observations`` of a step that ended an episode: SB3 keeps one array
+  and returns the next episode's first observation there (its target ignores
+  it, ``dones`` being 1; it refuses time limits for that reason, SB3 issue
+  #934), millpond returns the step's true last observation. So time limits
+  work: ``handle_timeout_termination=True`` is allowed with it.
+* ``frame_stack=axis`` (keyword): observations are stacks of frames along
+  ``axis`` (SB3's ``VecFrameStack`` stacks along the channel axis: 0 after
+  ``VecTransposeImage``, as SB3's CNN policies see Atari, -1 before it); each
+  frame is stored once (``frame_stack={"obs": axis}``), with or without
+  ``optimize_memory_usage``. ``frame_capacity`` (keyword): frames each store
+  holds (default: 1.25 per transition held or pushed at once with
+  ``frame_stack``, enough for episodes of 8 steps or more; 2 without, which
+  always suffices; see :mod:`millpond.core.frames`). A store too small makes
+  an ``add`` raise ``StorageFullError``.
+
+Not supported: ``HerReplayBuffer``, ``optimize_memory_usage`` with
+:class:`NStepReplayBuffer` (as in SB3). There is no
 prioritized variant: SB3's algorithms never hand TD errors back to their buffer
 (no hook for ``update_priorities``), so a prioritized buffer would silently
 behave as a uniform one; use millpond's ``PrioritizedReplayBuffer`` directly
@@ -105,16 +127,33 @@ class _MillpondStorage:
     def _setup(self, buffer_size: int, optimize_memory_usage: bool,
                handle_timeout_termination: bool, obs_fields: dict[str, Any],
                address: str | Sequence[str] | None, name: str | None, token: str | None,
-               hot_capacity: int | None, cold_path: str | None, max_in_flight: int) -> None:
-        if optimize_memory_usage:
-            raise ValueError(
-                "millpond's SB3 replay buffers do not support optimize_memory_usage=True "
-                "(next observations are stored beside observations); pass "
-                "optimize_memory_usage=False")
+               hot_capacity: int | None, cold_path: str | None, max_in_flight: int,
+               frame_stack: dict[str, int] | None = None, frame_capacity: int | None = None
+               ) -> None:
         if name is not None and address is None:
             raise InvalidConfigError("name= names a server's buffer: give address= as well")
         self.buffer_size = max(buffer_size // self.n_envs, 1)  # steps, as in SB3
-        self.optimize_memory_usage = False
+        self.optimize_memory_usage = bool(optimize_memory_usage)
+        # next_obs fields are the obs fields with "next_" in front (obs, obs_<key>)
+        sources = [name for name in obs_fields if name.startswith("obs")]
+        frames: dict[str, Any] = {}
+        if self.optimize_memory_usage:
+            frames["next_of"] = {"next_" + source: source for source in sources}
+        if frame_stack:  # {obs field: axis}; next_obs fields are stacks too, or next_of them
+            frames["frame_stack"] = dict(frame_stack)
+            if not self.optimize_memory_usage:
+                frames["frame_stack"].update({"next_" + k: v for k, v in frame_stack.items()})
+        if frames and frame_capacity is None:
+            # The ring holds the live transitions' frames and those of a chunk being
+            # pushed. A stack adds about one frame per step (plus a few per episode's
+            # start); a single observation, one, and one more where an episode ends:
+            # two always suffice.
+            chunk = min(CHUNK_STEPS, self.buffer_size) * self.n_envs
+            per = 1.25 if frame_stack else 2.0
+            frame_capacity = int(per * (self.buffer_size * self.n_envs + chunk)) + 64
+        if frame_capacity is not None:
+            frames["frame_capacity"] = frame_capacity
+        self._frames = frames
         self.handle_timeout_termination = handle_timeout_termination
         act_dtype = sb3.ReplayBuffer._maybe_cast_dtype(self.action_space.dtype)
         fields = {**obs_fields,
@@ -128,11 +167,11 @@ class _MillpondStorage:
         # now, as SB3's is, not on the first add (millpond's classes' default).
         if hot_capacity is None:
             self._handle = _RamBuffer(capacity, fields=fields, address=address, name=name,
-                                      token=token, max_in_flight=max_in_flight, create=True)
+                                      token=token, max_in_flight=max_in_flight, create=True, **frames)
         else:
             self._handle = _MmapBuffer(hot_capacity, capacity, cold_path=cold_path,
                                        fields=fields, address=address, name=name,
-                                       token=token, max_in_flight=max_in_flight, create=True)
+                                       token=token, max_in_flight=max_in_flight, create=True, **frames)
         held = len(self._handle) // self.n_envs  # an existing server buffer's steps
         self.pos, self.full = held % self.buffer_size, held >= self.buffer_size
         self._stored = min(held, self.buffer_size)  # steps in millpond that this object counts
@@ -225,7 +264,13 @@ class _MillpondStorage:
         rows = self.buffer_size if self.full else self.pos
         if rows == 0:
             raise NotEnoughDataError("the replay buffer is empty")
-        slots = np.random.randint(0, rows, size=batch_size)
+        if self.optimize_memory_usage and self.full:
+            # SB3's variant never draws the oldest step (its slot holds the newest
+            # next_obs): the same draws, the same samples
+            slots = (np.random.randint(1, self.buffer_size, size=batch_size) + self.pos
+                     ) % self.buffer_size
+        else:
+            slots = np.random.randint(0, rows, size=batch_size)
         return slots, np.random.randint(0, high=self.n_envs, size=(batch_size,))
 
     def _sample_rows(self, batch_size: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
@@ -272,17 +317,20 @@ class _MillpondStorage:
         if self._in_process:
             state["_handle"] = {"capacity": buf.total_capacity,
                                 "hot_capacity": buf.hot_capacity,
-                                "fields": buf.schema.spec(), "records": buf.sample_all()}
+                                "fields": buf.schema.spec(), "records": buf.sample_all(),
+                                "frames": self._frames}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         saved = state.pop("_handle")
         if state.get("_in_process") and isinstance(saved, dict):
             buf: Any
+            frames = saved.get("frames") or {}
             if saved["hot_capacity"] < saved["capacity"]:
-                buf = _MmapBuffer(saved["hot_capacity"], saved["capacity"], fields=saved["fields"])
+                buf = _MmapBuffer(saved["hot_capacity"], saved["capacity"], fields=saved["fields"],
+                                  **frames)
             else:
-                buf = _RamBuffer(saved["capacity"], fields=saved["fields"])
+                buf = _RamBuffer(saved["capacity"], fields=saved["fields"], **frames)
             if len(next(iter(saved["records"].values()))):
                 buf.push_batch(**saved["records"])
             saved = buf
@@ -323,6 +371,8 @@ class ReplayBuffer(_MillpondStorage, sb3.ReplayBuffer):
         hot_capacity: int | None = None,
         cold_path: str | None = None,
         max_in_flight: int = MAX_IN_FLIGHT,
+        frame_stack: int | None = None,
+        frame_capacity: int | None = None,
     ):
         if isinstance(observation_space, spaces.Dict):
             raise ValueError("Dict observation spaces need "
@@ -332,7 +382,8 @@ class ReplayBuffer(_MillpondStorage, sb3.ReplayBuffer):
         shape = (observation_space.dtype, self.obs_shape)
         self._setup(buffer_size, optimize_memory_usage, handle_timeout_termination,
                     {"obs": shape, "next_obs": shape}, address, name, token, hot_capacity,
-                    cold_path, max_in_flight)
+                    cold_path, max_in_flight,
+                    None if frame_stack is None else {"obs": frame_stack}, frame_capacity)
 
     def add(self, obs: np.ndarray, next_obs: np.ndarray, action: np.ndarray, reward: np.ndarray,
             done: np.ndarray, infos: list[dict[str, Any]]) -> None:
@@ -357,7 +408,8 @@ class ReplayBuffer(_MillpondStorage, sb3.ReplayBuffer):
 
 class DictReplayBuffer(_MillpondStorage, sb3.DictReplayBuffer):
     """SB3's ``DictReplayBuffer`` (``spaces.Dict`` observations); same extra arguments
-    as :class:`ReplayBuffer`. Keys must be Python identifiers (they name fields)."""
+    as :class:`ReplayBuffer`, but ``frame_stack`` is ``{key: axis}`` for the keys whose
+    values are frame stacks. Keys must be Python identifiers (they name fields)."""
 
     def __init__(
         self,
@@ -375,6 +427,8 @@ class DictReplayBuffer(_MillpondStorage, sb3.DictReplayBuffer):
         hot_capacity: int | None = None,
         cold_path: str | None = None,
         max_in_flight: int = MAX_IN_FLIGHT,
+        frame_stack: dict[str, int] | None = None,
+        frame_capacity: int | None = None,
     ):
         if not isinstance(observation_space, spaces.Dict):
             raise ValueError("DictReplayBuffer needs a spaces.Dict observation space")
@@ -387,7 +441,9 @@ class DictReplayBuffer(_MillpondStorage, sb3.DictReplayBuffer):
                     raise ValueError(f"observation key {key!r} is not a Python identifier")
                 fields[f"{prefix}_{key}"] = (observation_space[key].dtype, shape)
         self._setup(buffer_size, optimize_memory_usage, handle_timeout_termination, fields,
-                    address, name, token, hot_capacity, cold_path, max_in_flight)
+                    address, name, token, hot_capacity, cold_path, max_in_flight,
+                    {f"obs_{key}": axis for key, axis in (frame_stack or {}).items()},
+                    frame_capacity)
 
     def add(self, obs: dict[str, np.ndarray], next_obs: dict[str, np.ndarray],  # type: ignore[override]
             action: np.ndarray, reward: np.ndarray, done: np.ndarray,
@@ -438,6 +494,9 @@ class NStepReplayBuffer(ReplayBuffer):
     """
 
     def __init__(self, *args: Any, n_steps: int = 3, gamma: float = 0.99, **kwargs: Any):
+        if kwargs.get("optimize_memory_usage") or (len(args) > 5 and args[5]):
+            raise ValueError("NStepReplayBuffer does not support optimize_memory_usage=True "
+                             "(as SB3's)")
         super().__init__(*args, **kwargs)
         if n_steps < 1:
             raise ValueError(f"n_steps must be at least 1, got {n_steps}")

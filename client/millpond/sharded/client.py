@@ -265,6 +265,11 @@ class ShardedClient(BufferClient):
                         f"buffer {name!r} exists over these {self.shards} shards with "
                         f"hot/total capacity {glob.hot_capacity}/{glob.total_capacity}, asked "
                         f"for {config.hot_capacity}/{config.total_capacity}")
+                frames = global_config(wanted).frame_capacity
+                if glob.frame_capacity != frames:
+                    raise ConfigMismatchError(
+                        f"buffer {name!r} exists over these {self.shards} shards with "
+                        f"frame_capacity {glob.frame_capacity} in all, asked for {frames}")
         missing = [s for s in range(self.shards) if s not in existing]
         created, errors = self.fan_out(
             missing, lambda s: self.clients[s].connection.grpc.create(name, wanted[s],

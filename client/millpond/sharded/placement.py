@@ -4,7 +4,12 @@
   gives shard ``i`` ``total_capacity // n`` records, plus one for each of the
   first ``total_capacity % n`` shards (the same for ``hot_capacity``, so
   every shard keeps ``hot <= total``). Each shard needs at least one hot
-  record: ``hot_capacity >= n``.
+  record: ``hot_capacity >= n``. A buffer with ``frame_stack`` or ``next_of``
+  gives each shard frames for its share: the default ``frame_capacity`` is the
+  shard's own default (:func:`~millpond.core.frames.default_frame_capacity` of its
+  ``total_capacity``), one given is split in proportion to the shards'
+  ``total_capacity`` (rounded up). A shard's ring must hold its live records'
+  frames and those of a push, which goes whole to one shard.
 * **Indices.** A sharded prioritized sample's ``indices`` are
   ``shard * 2**48 + seq`` (``seq``: the record's index on its shard), so
   ``update_priorities`` sends each back to its shard.
@@ -26,6 +31,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from millpond.core.config import BufferConfig
+from millpond.core.frames import default_frame_capacity
 from millpond.core.info import COUNTERS, BufferInfo, ShardInfo
 from millpond.core.ratelimit import Queue
 from millpond.errors import (
@@ -84,8 +90,17 @@ def shard_configs(config: BufferConfig, n: int) -> list[BufferConfig]:
     for hot, total in zip(split(config.hot_capacity, n), split(config.total_capacity, n)):
         limiter = Queue(total) if default_queue else config.rate_limiter
         out.append(dataclasses.replace(config, hot_capacity=hot, total_capacity=total,
-                                       rate_limiter=limiter))
+                                       rate_limiter=limiter,
+                                       frame_capacity=_frame_share(config, total)))
     return out
+
+
+def _frame_share(config: BufferConfig, total: int) -> int | None:
+    """The ``frame_capacity`` of a shard of ``total`` records (None: its default)."""
+    frames = config.frame_capacity
+    if frames is None or frames == default_frame_capacity(config.total_capacity):
+        return None
+    return -(-frames * total // config.total_capacity)
 
 
 def global_config(configs: Sequence[BufferConfig]) -> BufferConfig:
@@ -94,12 +109,17 @@ def global_config(configs: Sequence[BufferConfig]) -> BufferConfig:
     hot = sum(c.hot_capacity for c in configs)
     total = sum(c.total_capacity for c in configs)
     limiter = Queue(total) if _default_queue(first) else first.rate_limiter
-    return dataclasses.replace(first, hot_capacity=hot, total_capacity=total, rate_limiter=limiter)
+    frames = (None if first.frame_capacity is None
+              else sum(c.frame_capacity or 0 for c in configs))
+    return dataclasses.replace(first, hot_capacity=hot, total_capacity=total, rate_limiter=limiter,
+                               frame_capacity=frames)
 
 
 def same_but_capacities(a: BufferConfig, b: BufferConfig) -> list[tuple[str, str, str]]:
     """What differs between ``a`` and ``b`` besides capacities (and a default queue)."""
     capacities = dict(hot_capacity=b.hot_capacity, total_capacity=b.total_capacity)
+    if a.frame_capacity is not None and b.frame_capacity is not None:
+        capacities["frame_capacity"] = b.frame_capacity  # (split too)
     if _default_queue(a) and _default_queue(b):
         capacities["rate_limiter"] = b.rate_limiter  # type: ignore[assignment]
     return dataclasses.replace(a, **capacities).differences(b)  # type: ignore[arg-type]
