@@ -585,8 +585,9 @@ class TieredBuffer(ConfigAccessors):
         index = self._episodes_or_raise() if episode_ids else None
         with self._lock:
             self._check_open()
-            if positions:
-                wanted = self._at_positions(wanted)
+            if positions:  # resolved to live records: read with no liveness check
+                return sequences.read(self._fifo, self._at_positions(wanted), names, out, index,
+                                      all_live=True)
             return sequences.read(self._fifo, wanted, names, out, index)
 
     # ---- helpers -------------------------------------------------------------------------

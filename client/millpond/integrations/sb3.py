@@ -143,6 +143,9 @@ class _MillpondStorage:
         steps = max(1, min(CHUNK_STEPS, CHUNK_BYTES // max(step_nbytes, 1), self.buffer_size))
         self._chunk = {name: np.zeros((steps, self.n_envs, *shape), dtype)
                        for name, (dtype, shape) in spec.items()}
+        # The same memory as [steps * n_envs, *shape]: a row (step * n_envs + env) per record
+        self._chunk_rows = {name: column.reshape(-1, *column.shape[2:])
+                            for name, column in self._chunk.items()}
         self._staged = 0
 
     @property
@@ -202,16 +205,18 @@ class _MillpondStorage:
         if not staged.any():
             return self._read((order + offset) * self.n_envs + envs, fields)
         names = list(self._chunk) if fields is None else list(fields)
-        rows = order[staged] - first_staged
-        out = {name: np.empty((len(slots), *self._chunk[name].shape[2:]),
-                              self._chunk[name].dtype) for name in names}
+        # Integer indices, made once: each field's scatter then needs no mask of its own.
+        in_chunk, in_millpond = np.flatnonzero(staged), np.flatnonzero(~staged)
+        rows = (order[in_chunk] - first_staged) * self.n_envs + envs[in_chunk]
+        read = (self._read((order[in_millpond] + offset) * self.n_envs + envs[in_millpond],
+                           names) if len(in_millpond) else None)
+        out = {}
         for name in names:
-            out[name][staged] = self._chunk[name][rows, envs[staged]]
-        stored = ~staged
-        if stored.any():
-            read = self._read((order[stored] + offset) * self.n_envs + envs[stored], names)
-            for name in names:
-                out[name][stored] = read[name]
+            column = self._chunk_rows[name]
+            out[name] = batch = np.empty((len(slots), *column.shape[1:]), column.dtype)
+            batch[in_chunk] = column.take(rows, axis=0)
+            if read is not None:
+                batch[in_millpond] = read[name]
         return out
 
     def _read(self, positions: np.ndarray, fields: Sequence[str] | None) -> dict[str, np.ndarray]:

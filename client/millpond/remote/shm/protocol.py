@@ -89,6 +89,7 @@ SAMPLE_REQUEST = struct.Struct("<BB6xQQQQd")
 SAMPLE_REPLY = struct.Struct("<BB")  # tag, bit i set: the i-th of SAMPLE_EXTRAS written
 _SAMPLE_REQUEST_TAG, _SAMPLE_REPLY_TAG = 1, 2
 _U64 = 1 << 64
+_OK_JSON = _encode({"ok": True}).encode()  # the plain successful reply, made once
 
 
 def _align(n: int) -> int:
@@ -232,6 +233,8 @@ def recv(sock: socket.socket, spin: float = 0.0) -> tuple[dict[str, Any] | None,
 
 def encode(message: dict[str, Any]) -> bytes:
     """A message's bytes: binary for a sample request or reply that fits, else JSON."""
+    if len(message) == 1 and message.get("ok") is True:  # a read's reply, a release's...
+        return _OK_JSON
     if message.get("op") == "sample":
         binary = _pack_sample_request(message)
         if binary is not None:
@@ -245,6 +248,8 @@ def encode(message: dict[str, Any]) -> bytes:
 
 def decode(data: bytes) -> dict[str, Any]:
     """The message :func:`encode` made; InvalidArgumentError (or ValueError) if malformed."""
+    if data == _OK_JSON:
+        return {"ok": True}
     tag = data[0] if data else None
     if tag == _SAMPLE_REQUEST_TAG:
         if len(data) < SAMPLE_REQUEST.size:

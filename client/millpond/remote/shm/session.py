@@ -73,11 +73,12 @@ class _ResultSegment:
     id: int
     mm: mmap.mmap
     free: bool = True
-    used: bool = False  # ever handed out: may hold private (written) pages
+    used: int = 0  # bytes from the start ever handed out: may hold private (written) pages
     _result: weakref.ref | None = None  # the base of the arrays handed out
 
     def hand_out(self, size: int) -> np.ndarray:
         """The base array of a result's arrays: the segment is free again once it is collected."""
+        self.used = max(self.used, size)
         base = np.frombuffer(self.mm, np.uint8, size)
         self._result = weakref.ref(base, self._returned)
         return base
@@ -324,10 +325,12 @@ class ShmSession:
         if fitting:
             segment = min(fitting, key=lambda s: len(s.mm))
             if segment.used:  # forget pages a previous holder wrote privately
-                segment.mm.madvise(mmap.MADV_DONTNEED)
+                # (only those handed out: a small result of a big segment costs little)
+                segment.mm.madvise(mmap.MADV_DONTNEED, 0, segment.used)
+                segment.used = 0
         else:
             segment = self._new_result_segment(_round_segment(size))
-        segment.free, segment.used = False, True
+        segment.free = False
         return segment
 
     def _new_result_segment(self, size: int) -> _ResultSegment:
