@@ -201,22 +201,25 @@ class _MillpondStorage:
         order = (slots - self.pos) % self.buffer_size if self.full else slots
         first_staged = steps - self._staged  # the chunk holds the newest steps
         offset = self._stored - first_staged  # steps in millpond evicted since (SB3's view)
-        staged = order >= first_staged
-        if not staged.any():
-            return self._read((order + offset) * self.n_envs + envs, fields)
+        positions = order + offset
+        if self.n_envs > 1:
+            positions = positions * self.n_envs + envs
+        if not self._staged or order.max() < first_staged:  # all in millpond: one read
+            return self._read(positions, fields)
         names = list(self._chunk) if fields is None else list(fields)
-        # Integer indices, made once: each field's scatter then needs no mask of its own.
-        in_chunk, in_millpond = np.flatnonzero(staged), np.flatnonzero(~staged)
+        in_chunk = np.flatnonzero(order >= first_staged)
         rows = (order[in_chunk] - first_staged) * self.n_envs + envs[in_chunk]
-        read = (self._read((order[in_millpond] + offset) * self.n_envs + envs[in_millpond],
-                           names) if len(in_millpond) else None)
-        out = {}
+        if len(in_chunk) == len(slots):  # all in the chunk
+            return {name: self._chunk_rows[name].take(rows, axis=0) for name in names}
+        # One read of every draw (those in the chunk read as position 0, which exists:
+        # millpond holds steps), then the chunk's rows written over theirs.
+        positions[in_chunk] = 0
+        out = self._read(positions, names)
         for name in names:
-            column = self._chunk_rows[name]
-            out[name] = batch = np.empty((len(slots), *column.shape[1:]), column.dtype)
-            batch[in_chunk] = column.take(rows, axis=0)
-            if read is not None:
-                batch[in_millpond] = read[name]
+            batch = out[name]
+            if not batch.flags.writeable:
+                out[name] = batch = batch.copy()
+            batch[in_chunk] = self._chunk_rows[name].take(rows, axis=0)
         return out
 
     def _read(self, positions: np.ndarray, fields: Sequence[str] | None) -> dict[str, np.ndarray]:
@@ -241,7 +244,7 @@ class _MillpondStorage:
         if not self.handle_timeout_termination:
             dones = dones | batch["truncated"]
         return (batch, dones.astype(np.float32).reshape(-1, 1),
-                batch["rewards"].astype(np.float32).reshape(-1, 1))
+                batch["rewards"].astype(np.float32, copy=False).reshape(-1, 1))
 
     def size(self) -> int:
         """Steps held, as SB3 counts: at most ``buffer_size``."""
