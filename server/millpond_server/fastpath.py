@@ -121,7 +121,7 @@ class FastPathSession(threading.Thread):
                 continue
             if message is None:
                 return
-            spin = _next_spin(time.perf_counter() - replied)
+            spin = next_spin(time.perf_counter() - replied)
             reply, out_fds = self.handle(message, fds)
             try:
                 protocol.send(self.conn, reply, out_fds)
@@ -419,7 +419,7 @@ class FastPathSession(threading.Thread):
         self.server._ended(self)
 
 
-def _next_spin(gap: float) -> float:
+def next_spin(gap: float) -> float:
     """How long a session polls for its next request, given the ``gap`` (seconds) between
     its last reply and the request that followed it: ``SERVER_SPIN`` for a client that
     asks back to back (the gap, which includes a sleeping thread's wake-up of up to 100 us

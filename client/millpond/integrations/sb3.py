@@ -64,6 +64,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
+import torch as th
 from gymnasium import spaces
 from stable_baselines3.common import buffers as sb3
 from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
@@ -100,6 +101,7 @@ class _MillpondStorage:
     observation_space: Any
     handle_timeout_termination: bool
     optimize_memory_usage: bool
+    device: th.device
     _handle: Any
 
     def _setup(self, buffer_size: int, optimize_memory_usage: bool,
@@ -297,6 +299,17 @@ class _MillpondStorage:
         self._handle = saved
         self._new_chunk(spec)
 
+    def _tensor(self, array: np.ndarray) -> th.Tensor:
+        """SB3's ``to_torch`` of an array a sample made: on the CPU the tensor takes the
+        array's memory instead of a copy (the sample's arrays are its own: made for this
+        call, never kept nor handed out again), as values, dtype and device stay SB3's."""
+        if self.device.type == "cpu" and array.flags.writeable and array.flags.c_contiguous:
+            try:
+                return th.from_numpy(array)
+            except TypeError:  # a dtype torch does not share (th.tensor may still convert)
+                pass
+        return th.tensor(array, device=self.device)  # SB3's to_torch
+
     def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None) -> Any:
         raise NotImplementedError(
             "millpond draws the transitions itself: call sample(batch_size, env)")
@@ -353,11 +366,11 @@ class ReplayBuffer(_MillpondStorage, sb3.ReplayBuffer):
         """``batch_size`` uniform draws as SB3's ``ReplayBufferSamples``."""
         batch, dones, rewards = self._sample_rows(batch_size)
         return ReplayBufferSamples(
-            self.to_torch(self._normalize_obs(batch["obs"], env)),  # type: ignore[arg-type]
-            self.to_torch(batch["actions"]),
-            self.to_torch(self._normalize_obs(batch["next_obs"], env)),  # type: ignore[arg-type]
-            self.to_torch(dones),
-            self.to_torch(self._normalize_reward(rewards, env)),
+            self._tensor(self._normalize_obs(batch["obs"], env)),  # type: ignore[arg-type]
+            self._tensor(batch["actions"]),
+            self._tensor(self._normalize_obs(batch["next_obs"], env)),  # type: ignore[arg-type]
+            self._tensor(dones),
+            self._tensor(self._normalize_reward(rewards, env)),
         )
 
 
@@ -417,11 +430,11 @@ class DictReplayBuffer(_MillpondStorage, sb3.DictReplayBuffer):
         obs_, next_obs_ = self._normalize_obs(obs, env), self._normalize_obs(next_obs, env)
         assert isinstance(obs_, dict) and isinstance(next_obs_, dict)
         return DictReplayBufferSamples(
-            observations={key: self.to_torch(value) for key, value in obs_.items()},
-            actions=self.to_torch(batch["actions"]),
-            next_observations={key: self.to_torch(value) for key, value in next_obs_.items()},
-            dones=self.to_torch(dones),
-            rewards=self.to_torch(self._normalize_reward(rewards, env)),
+            observations={key: self._tensor(value) for key, value in obs_.items()},
+            actions=self._tensor(batch["actions"]),
+            next_observations={key: self._tensor(value) for key, value in next_obs_.items()},
+            dones=self._tensor(dones),
+            rewards=self._tensor(self._normalize_reward(rewards, env)),
         )
 
 
@@ -508,11 +521,11 @@ class NStepReplayBuffer(ReplayBuffer):
                             np.concatenate([env_indices, env_indices]),
                             ["obs", "actions", "next_obs"])
         return ReplayBufferSamples(
-            observations=self.to_torch(self._normalize_obs(rows["obs"][:batch_size], env)),  # type: ignore[arg-type]
-            actions=self.to_torch(rows["actions"][:batch_size]),
-            next_observations=self.to_torch(
+            observations=self._tensor(self._normalize_obs(rows["obs"][:batch_size], env)),  # type: ignore[arg-type]
+            actions=self._tensor(rows["actions"][:batch_size]),
+            next_observations=self._tensor(
                 self._normalize_obs(rows["next_obs"][batch_size:], env)),  # type: ignore[arg-type]
-            dones=self.to_torch(final_dones),
-            rewards=self.to_torch(n_step_returns),
-            discounts=self.to_torch(target_q_discounts),
+            dones=self._tensor(final_dones),
+            rewards=self._tensor(n_step_returns),
+            discounts=self._tensor(target_q_discounts),
         )
