@@ -108,7 +108,11 @@ def read(fifo: Fifo, seqs: np.ndarray, names: Sequence[str] | None, out: Out = N
     ``episode_ids`` (0 where not live). ``all_live``: the caller knows every one of
     ``seqs`` is live (positions resolved under the same lock), so none is checked."""
     if all_live:
-        live = np.ones(len(seqs), bool)
+        if out is not None and "live" in out:  # shared memory: written there, not copied
+            live = out["live"]
+            live[...] = True
+        else:
+            live = np.ones(len(seqs), bool)
         rows = fifo.gather_rows(seqs, names, out)
     elif not (live := fifo.is_live(seqs)).any():
         rows = {name: np.zeros((len(seqs),) + fifo.schema[name].shape, fifo.schema[name].dtype)
