@@ -11,7 +11,7 @@ daemon rows: what the run costs, less sensitive to a loaded machine), then the s
 ``NStepReplayBuffer`` (n_steps 3).
 
     make bench ARGS="--only sb3"
-    python bench/bench_sb3.py [--steps 5000] [--turns 3]
+    python bench/bench_sb3.py [--steps 5000] [--turns 5]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support import ServerProcess  # noqa: E402
 
 STEPS = 5_000
-TURNS = 3
+TURNS = 5
 _names = itertools.count()
 
 
@@ -56,6 +56,9 @@ def _run(buffer_class: Any, kwargs: dict[str, Any], steps: int, seed: int,
     model.learn(total_timesteps=steps)
     elapsed = time.perf_counter() - start
     cpu = time.process_time() - cpu + (_cpu_seconds(daemon_pid) - daemon if daemon_pid else 0.0)
+    if daemon_pid:  # the figure is the shared-memory path's, or none
+        transport = model.replay_buffer.millpond_buffer.transport
+        assert transport == "shm", f"the daemon's buffer went over {transport}"
     close = getattr(model.replay_buffer, "close", None)
     if close is not None:
         close()

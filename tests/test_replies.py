@@ -297,9 +297,10 @@ def test_a_result_segment_smaller_than_asked_is_refused(liars):
 def test_a_result_segment_with_the_id_of_one_in_use_is_refused(liars):
     """The server would write the next sample into a result the caller still holds."""
     liar = liars("shm-segment-id")
+    obs_dim = 4096  # 8 records of 2 x 16 KiB: results too large to be copied out
     buf = millpond.connect(liar.address, shm=True).create_buffer(
-        f"segment-id-{next(_names)}", capacity=30, obs_dim=2, act_dim=1)
-    buf.push_batch(**transitions(0, 20))
+        f"segment-id-{next(_names)}", capacity=30, obs_dim=obs_dim, act_dim=1)
+    buf.push_batch(**transitions(0, 20, obs_dim))
     kept = buf.sample(8, seed=1)  # holds the first result segment
     snapshot = kept["obs"].copy()
     with pytest.raises(millpond.ProtocolError, match="segment id"):

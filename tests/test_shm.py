@@ -18,7 +18,7 @@ from support import ServerProcess, wait_until
 from test_contract import transitions
 
 import millpond
-from millpond.remote.shm import memfd, protocol
+from millpond.remote.shm import memfd, protocol, session
 from millpond.v1 import replay_pb2 as pb
 from millpond.v1 import replay_pb2_grpc as pb_grpc
 
@@ -138,6 +138,32 @@ def test_dropped_results_are_reused_not_accumulated(shared_server):
         buf.sample(16)
     assert client.calls["shm", "sample"] == 50
     assert result_segments_mapped() - before <= 2
+
+
+def test_small_results_are_copied_out_and_free_their_segment_at_once(shared_server):
+    """A result of at most COPY_OUT_BYTES is a copy: holding many of them holds no segment
+    (with zero-copy results, the 17th held would go over gRPC)."""
+    before = result_segments_mapped()
+    client = millpond.connect(shared_server.address)
+    buf = client.create_buffer("copied", capacity=64, obs_dim=2, act_dim=1)
+    buf.push_batch(**transitions(0, 64))
+    held = [buf.sample(32, seed=i) for i in range(3 * session.MAX_RESULT_SEGMENTS)]
+    assert client.calls["shm", "sample"] == len(held) and not client.calls["grpc", "sample"]
+    assert result_segments_mapped() - before <= 1
+    read = [buf.sample_by_index(np.arange(8)) for _ in range(3 * session.MAX_RESULT_SEGMENTS)]
+    assert not client.calls["grpc", "read"] and all(r["obs"].flags.writeable for r in read)
+    grpc_buf = millpond.connect(shared_server.address, shm=False).buffer("copied")
+    for i, result in enumerate(held):  # each its own, as drawn
+        np.testing.assert_array_equal(result["obs"], grpc_buf.sample(32, seed=i)["obs"])
+
+
+def test_a_session_polls_for_the_next_request_only_after_one_that_came_soon():
+    """The daemon's session spins only for a client asking back to back: a learner that
+    trains a millisecond between samples is not polled for."""
+    from millpond_server.fastpath import next_spin
+    spin = protocol.SERVER_SPIN
+    assert next_spin(0.0) == spin and next_spin(2 * spin) == spin
+    assert next_spin(1e-3 + 2 * spin) == 0.0
 
 
 def result_segments_mapped() -> int:

@@ -101,6 +101,7 @@ class FastPathSession(threading.Thread):
     def _serve(self) -> None:
         limits = self.server.limits
         hello_by = time.monotonic() + limits.hello_s
+        spin, replied = protocol.SERVER_SPIN, time.perf_counter()
         while True:
             # The socket's timeout bounds the wait for the next request, and a reply's
             # send to a client that reads none.
@@ -108,7 +109,7 @@ class FastPathSession(threading.Thread):
             if timeout != self.conn.gettimeout():
                 self.conn.settimeout(max(timeout, 1e-3))
             try:
-                message, fds = protocol.recv(self.conn, protocol.SERVER_SPIN)
+                message, fds = protocol.recv(self.conn, spin)
             except TimeoutError:
                 why = (f"no request for {limits.idle_s:g} s (--shm-idle-s)" if self.greeted else
                        f"no successful hello within {limits.hello_s:g} s (--shm-hello-s)")
@@ -120,11 +121,13 @@ class FastPathSession(threading.Thread):
                 continue
             if message is None:
                 return
+            spin = next_spin(time.perf_counter() - replied)
             reply, out_fds = self.handle(message, fds)
             try:
                 protocol.send(self.conn, reply, out_fds)
             finally:
                 protocol.close_fds(out_fds)
+            replied = time.perf_counter()
 
     def handle(self, message: dict, fds: list[int]) -> tuple[dict, list[int]]:
         """Run one request; fds that arrived with it are always closed here."""
@@ -416,6 +419,17 @@ class FastPathSession(threading.Thread):
             table.clear()
         self.conn.close()
         self.server._ended(self)
+
+
+def next_spin(gap: float) -> float:
+    """How long a session polls for its next request, given the ``gap`` (seconds) between
+    its last reply and the request that followed it: ``SERVER_SPIN`` for a client that
+    asks back to back (the gap, which includes a sleeping thread's wake-up of up to 100 us
+    on virtual machines, within twice the spin), else nothing. A learner that trains
+    between samples (a DQN step: a millisecond) never comes within the spin: polling for
+    it only takes a CPU from it and from everything else on the machine."""
+    spin = protocol.SERVER_SPIN
+    return spin if gap <= 2 * spin else 0.0
 
 
 def _fits(mm: mmap.mmap, offset: Any, nbytes: int, op: str) -> int:

@@ -419,8 +419,9 @@ class TieredBuffer(ConfigAccessors):
         """The seqs of the records at ``positions`` (lock held). IndexOutOfRangeError,
         before anything is read, if a position is not in ``[0, len)``."""
         size = self._size()
-        outside = (positions < 0) | (positions >= size)
-        if outside.any():
+        # Two reductions decide the usual case (all inside); the mask only for the message.
+        if len(positions) and (positions.min() < 0 or positions.max() >= size):
+            outside = (positions < 0) | (positions >= size)
             raise IndexOutOfRangeError(
                 f"position {int(positions[outside][0])} is out of range: the buffer holds "
                 f"{size} records, at positions 0 (oldest) to {size - 1} (newest)")
@@ -611,8 +612,9 @@ class TieredBuffer(ConfigAccessors):
         index = self._episodes_or_raise() if episode_ids else None
         with self._lock:
             self._check_open()
-            if positions:
-                wanted = self._at_positions(wanted)
+            if positions:  # resolved to live records: read with no liveness check
+                return sequences.read(self._fifo, self._at_positions(wanted), names, out, index,
+                                      all_live=True)
             return sequences.read(self._fifo, wanted, names, out, index)
 
     # ---- helpers -------------------------------------------------------------------------

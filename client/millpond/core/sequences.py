@@ -18,6 +18,7 @@ import numpy as np
 from millpond.core.config import BufferConfig
 from millpond.core.episodes import EpisodeIndex
 from millpond.core.fifo import Fifo
+from millpond.core.schema import Schema
 from millpond.errors import NotEnoughDataError
 
 Filter = Mapping[str, np.ndarray] | None
@@ -101,12 +102,19 @@ def catalog(index: EpisodeIndex, filter_meta: Filter) -> dict[str, np.ndarray]:
 
 
 def read(fifo: Fifo, seqs: np.ndarray, names: Sequence[str] | None, out: Out = None,
-         index: EpisodeIndex | None = None) -> dict[str, np.ndarray]:
+         index: EpisodeIndex | None = None, all_live: bool = False) -> dict[str, np.ndarray]:
     """Records ``seqs`` (fields ``names``, default all, in that order) in the order given,
     and ``live``: which were still live (the others' rows are zero); with ``index``, also
-    ``episode_ids`` (0 where not live)."""
-    live = fifo.is_live(seqs)
-    if not live.any():
+    ``episode_ids`` (0 where not live). ``all_live``: the caller knows every one of
+    ``seqs`` is live (positions resolved under the same lock), so none is checked."""
+    if all_live:
+        if out is not None and "live" in out:  # shared memory: written there, not copied
+            live = out["live"]
+            live[...] = True
+        else:
+            live = np.ones(len(seqs), bool)
+        rows = fifo.gather_rows(seqs, names, out)
+    elif not (live := fifo.is_live(seqs)).any():
         rows = {name: np.zeros((len(seqs),) + fifo.schema[name].shape, fifo.schema[name].dtype)
                 for name in names or fifo.schema.names}
     else:
@@ -191,8 +199,16 @@ def n_step_specs(config: BufferConfig, batch_size: int) -> Spec:
 
 def read_specs(config: BufferConfig, n: int, names: Sequence[str] | None,
                episode_ids: bool = False) -> Spec:
-    """Every array :func:`read` returns (fields in the order of ``names``)."""
-    fields = [config.schema[name] for name in names or config.schema.names]
+    """Every array :func:`read` returns (fields in the order of ``names``). The same
+    object for the same arguments while cached: a learner reads the same shape on every
+    step, and the shared-memory layouts keyed by it are found at once."""
+    return _read_specs(config.schema, n, None if names is None else tuple(names), episode_ids)
+
+
+@functools.lru_cache(maxsize=256)
+def _read_specs(schema: Schema, n: int, names: tuple[str, ...] | None, episode_ids: bool
+                ) -> Spec:
+    fields = [schema[name] for name in names or schema.names]
     return ((*((f.name, f.dtype, (n, *f.shape)) for f in fields), ("live", _BOOL, (n,)),
              *((("episode_ids", _I8, (n,)),) if episode_ids else ())))
 

@@ -86,6 +86,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
+import torch as th
 from gymnasium import spaces
 from stable_baselines3.common import buffers as sb3
 from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
@@ -122,6 +123,7 @@ class _MillpondStorage:
     observation_space: Any
     handle_timeout_termination: bool
     optimize_memory_usage: bool
+    device: th.device
     _handle: Any
 
     def _setup(self, buffer_size: int, optimize_memory_usage: bool,
@@ -184,6 +186,9 @@ class _MillpondStorage:
         steps = max(1, min(CHUNK_STEPS, CHUNK_BYTES // max(step_nbytes, 1), self.buffer_size))
         self._chunk = {name: np.zeros((steps, self.n_envs, *shape), dtype)
                        for name, (dtype, shape) in spec.items()}
+        # The same memory as [steps * n_envs, *shape]: a row (step * n_envs + env) per record
+        self._chunk_rows = {name: column.reshape(-1, *column.shape[2:])
+                            for name, column in self._chunk.items()}
         self._staged = 0
 
     @property
@@ -239,20 +244,25 @@ class _MillpondStorage:
         order = (slots - self.pos) % self.buffer_size if self.full else slots
         first_staged = steps - self._staged  # the chunk holds the newest steps
         offset = self._stored - first_staged  # steps in millpond evicted since (SB3's view)
-        staged = order >= first_staged
-        if not staged.any():
-            return self._read((order + offset) * self.n_envs + envs, fields)
+        positions = order + offset
+        if self.n_envs > 1:
+            positions = positions * self.n_envs + envs
+        if not self._staged or order.max() < first_staged:  # all in millpond: one read
+            return self._read(positions, fields)
         names = list(self._chunk) if fields is None else list(fields)
-        rows = order[staged] - first_staged
-        out = {name: np.empty((len(slots), *self._chunk[name].shape[2:]),
-                              self._chunk[name].dtype) for name in names}
+        in_chunk = np.flatnonzero(order >= first_staged)
+        rows = (order[in_chunk] - first_staged) * self.n_envs + envs[in_chunk]
+        if len(in_chunk) == len(slots):  # all in the chunk
+            return {name: self._chunk_rows[name].take(rows, axis=0) for name in names}
+        # One read of every draw (those in the chunk read as position 0, which exists:
+        # millpond holds steps), then the chunk's rows written over theirs.
+        positions[in_chunk] = 0
+        out = self._read(positions, names)
         for name in names:
-            out[name][staged] = self._chunk[name][rows, envs[staged]]
-        stored = ~staged
-        if stored.any():
-            read = self._read((order[stored] + offset) * self.n_envs + envs[stored], names)
-            for name in names:
-                out[name][stored] = read[name]
+            batch = out[name]
+            if not batch.flags.writeable:
+                out[name] = batch = batch.copy()
+            batch[in_chunk] = self._chunk_rows[name].take(rows, axis=0)
         return out
 
     def _read(self, positions: np.ndarray, fields: Sequence[str] | None) -> dict[str, np.ndarray]:
@@ -283,7 +293,7 @@ class _MillpondStorage:
         if not self.handle_timeout_termination:
             dones = dones | batch["truncated"]
         return (batch, dones.astype(np.float32).reshape(-1, 1),
-                batch["rewards"].astype(np.float32).reshape(-1, 1))
+                batch["rewards"].astype(np.float32, copy=False).reshape(-1, 1))
 
     def size(self) -> int:
         """Steps held, as SB3 counts: at most ``buffer_size``."""
@@ -338,6 +348,17 @@ class _MillpondStorage:
         self.__dict__.update(state)
         self._handle = saved
         self._new_chunk(spec)
+
+    def _tensor(self, array: np.ndarray) -> th.Tensor:
+        """SB3's ``to_torch`` of an array a sample made: on the CPU the tensor takes the
+        array's memory instead of a copy (the sample's arrays are its own: made for this
+        call, never kept nor handed out again), as values, dtype and device stay SB3's."""
+        if self.device.type == "cpu" and array.flags.writeable and array.flags.c_contiguous:
+            try:
+                return th.from_numpy(array)
+            except TypeError:  # a dtype torch does not share (th.tensor may still convert)
+                pass
+        return th.tensor(array, device=self.device)  # SB3's to_torch
 
     def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None) -> Any:
         raise NotImplementedError(
@@ -398,11 +419,11 @@ class ReplayBuffer(_MillpondStorage, sb3.ReplayBuffer):
         """``batch_size`` uniform draws as SB3's ``ReplayBufferSamples``."""
         batch, dones, rewards = self._sample_rows(batch_size)
         return ReplayBufferSamples(
-            self.to_torch(self._normalize_obs(batch["obs"], env)),  # type: ignore[arg-type]
-            self.to_torch(batch["actions"]),
-            self.to_torch(self._normalize_obs(batch["next_obs"], env)),  # type: ignore[arg-type]
-            self.to_torch(dones),
-            self.to_torch(self._normalize_reward(rewards, env)),
+            self._tensor(self._normalize_obs(batch["obs"], env)),  # type: ignore[arg-type]
+            self._tensor(batch["actions"]),
+            self._tensor(self._normalize_obs(batch["next_obs"], env)),  # type: ignore[arg-type]
+            self._tensor(dones),
+            self._tensor(self._normalize_reward(rewards, env)),
         )
 
 
@@ -467,11 +488,11 @@ class DictReplayBuffer(_MillpondStorage, sb3.DictReplayBuffer):
         obs_, next_obs_ = self._normalize_obs(obs, env), self._normalize_obs(next_obs, env)
         assert isinstance(obs_, dict) and isinstance(next_obs_, dict)
         return DictReplayBufferSamples(
-            observations={key: self.to_torch(value) for key, value in obs_.items()},
-            actions=self.to_torch(batch["actions"]),
-            next_observations={key: self.to_torch(value) for key, value in next_obs_.items()},
-            dones=self.to_torch(dones),
-            rewards=self.to_torch(self._normalize_reward(rewards, env)),
+            observations={key: self._tensor(value) for key, value in obs_.items()},
+            actions=self._tensor(batch["actions"]),
+            next_observations={key: self._tensor(value) for key, value in next_obs_.items()},
+            dones=self._tensor(dones),
+            rewards=self._tensor(self._normalize_reward(rewards, env)),
         )
 
 
@@ -561,11 +582,11 @@ class NStepReplayBuffer(ReplayBuffer):
                             np.concatenate([env_indices, env_indices]),
                             ["obs", "actions", "next_obs"])
         return ReplayBufferSamples(
-            observations=self.to_torch(self._normalize_obs(rows["obs"][:batch_size], env)),  # type: ignore[arg-type]
-            actions=self.to_torch(rows["actions"][:batch_size]),
-            next_observations=self.to_torch(
+            observations=self._tensor(self._normalize_obs(rows["obs"][:batch_size], env)),  # type: ignore[arg-type]
+            actions=self._tensor(rows["actions"][:batch_size]),
+            next_observations=self._tensor(
                 self._normalize_obs(rows["next_obs"][batch_size:], env)),  # type: ignore[arg-type]
-            dones=self.to_torch(final_dones),
-            rewards=self.to_torch(n_step_returns),
-            discounts=self.to_torch(target_q_discounts),
+            dones=self._tensor(final_dones),
+            rewards=self._tensor(n_step_returns),
+            discounts=self._tensor(target_q_discounts),
         )

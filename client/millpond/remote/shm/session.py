@@ -9,13 +9,20 @@ listener, served by one server thread: one request in flight at a time
   is one copy of the caller's arrays into it, then one small message;
 * a pool of result segments, owned by the server and mapped here
   copy-on-write: a sample is gathered by the server straight into a free
-  segment and handed out as numpy arrays over it, with no copy.
+  segment and handed out as numpy arrays over it, with no copy; a small
+  result (at most ``COPY_OUT_BYTES``, such as a DQN learner's 32
+  transitions) is copied out in one ``memcpy`` instead, and its segment is
+  free again at once.
 
 Sample results never change under the caller's feet: a result segment
 returns to the pool only when every array viewing it has been garbage
 collected (a weak reference to the arrays' common base). Results are writable;
 writes stay private to this process, and a reused segment first drops any
 privately written pages (``MADV_DONTNEED``), so it shows the server's new data.
+Copying small results out spares each of them that call and the page faults
+that follow it (about a fault per result page): cheaper than the copy up to
+sizes well past ``COPY_OUT_BYTES``, kept small so that the copy comes from
+the heap and costs no faults of its own.
 
 No reply is trusted, yet a fast-path reply has little to lie with: the client
 lays out every result itself, from its own request (rows, dtypes, shapes,
@@ -60,6 +67,7 @@ from millpond.remote.shm import memfd, protocol
 
 MIN_SEGMENT = 1 << 20
 MAX_RESULT_SEGMENTS = 16
+COPY_OUT_BYTES = 64 << 10  # results this small are copied out of their segment
 _ALL_EXTRAS = list(protocol.SAMPLE_EXTRAS)  # what a prioritized buffer's sample writes
 
 
@@ -73,11 +81,21 @@ class _ResultSegment:
     id: int
     mm: mmap.mmap
     free: bool = True
-    used: bool = False  # ever handed out: may hold private (written) pages
+    used: int = 0  # bytes from the start ever handed out: may hold private (written) pages
     _result: weakref.ref | None = None  # the base of the arrays handed out
+
+    def take(self, size: int) -> np.ndarray:
+        """The base array of a result's arrays: a copy of a small one (the segment is
+        free again at once), else :meth:`hand_out`."""
+        if size <= COPY_OUT_BYTES:
+            base = np.frombuffer(self.mm, np.uint8, size).copy()
+            self.free = True
+            return base
+        return self.hand_out(size)
 
     def hand_out(self, size: int) -> np.ndarray:
         """The base array of a result's arrays: the segment is free again once it is collected."""
+        self.used = max(self.used, size)
         base = np.frombuffer(self.mm, np.uint8, size)
         self._result = weakref.ref(base, self._returned)
         return base
@@ -276,7 +294,7 @@ class ShmSession:
         # Laid out as the server did it (it checked that this fits the segment).
         written = self._reply(reply, "sample", extras=extras)
         spans, extra_spans, total = protocol.sample_layout(schema, batch_size, bool(written))
-        base = segment.hand_out(total)
+        base = segment.take(total)
         result = {f.name: np.ndarray((batch_size, *f.shape), f.dtype, base, spans[f.name][0])
                   for f in schema}
         for name in written:
@@ -316,7 +334,7 @@ class ShmSession:
         except BaseException:
             segment.free = True
             raise
-        base = segment.hand_out(size)
+        base = segment.take(size)
         return protocol.spec_views(base, 0, specs)
 
     def _free_result_segment(self, size: int) -> _ResultSegment:
@@ -324,10 +342,12 @@ class ShmSession:
         if fitting:
             segment = min(fitting, key=lambda s: len(s.mm))
             if segment.used:  # forget pages a previous holder wrote privately
-                segment.mm.madvise(mmap.MADV_DONTNEED)
+                # (only those handed out: a small result of a big segment costs little)
+                segment.mm.madvise(mmap.MADV_DONTNEED, 0, segment.used)
+                segment.used = 0
         else:
             segment = self._new_result_segment(_round_segment(size))
-        segment.free, segment.used = False, True
+        segment.free = False
         return segment
 
     def _new_result_segment(self, size: int) -> _ResultSegment:
