@@ -65,7 +65,6 @@ from millpond.errors import (
     NotEnoughDataError,
 )
 
-
 _R = TypeVar("_R")
 
 

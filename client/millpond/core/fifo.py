@@ -22,8 +22,8 @@ import numpy as np
 
 from millpond.core.bufferfile import BufferFile
 from millpond.core.frames import Frames
-from millpond.core.stored import StoredBatch
 from millpond.core.schema import Schema
+from millpond.core.stored import StoredBatch
 from millpond.core.tier import Tier
 
 # before_commit(lo, hi, row): records [lo, hi), batch rows from row on, are written, not yet live.

@@ -239,7 +239,7 @@ def _decode(source: str, table: FrameTable, dtype: np.dtype, frame_shape: tuple[
     lengths = lens.tolist()
     view = memoryview(np.ascontiguousarray(data).data)
     out = np.empty((n, *frame_shape), dtype)
-    flat = out.reshape(n, nbytes).view(np.uint8) if n else out
+    flat = out.view(np.uint8).reshape(n, nbytes) if n else out.view(np.uint8)
 
     def run(lo: int, hi: int) -> None:
         try:

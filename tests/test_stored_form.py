@@ -1,0 +1,210 @@
+"""Samples in the stored form (millpond.core.stored; issue 26): shared frames once,
+compressed ones as stored, rebuilt by whoever reads them.
+
+The engine's ``sample_stored`` draws exactly as the plain call with the same seed
+(uniform, prioritized, sequences, n-step), for every combination of the options; a daemon
+replies in that form to clients that ask (``stored_form`` in the request) and plainly to
+those that do not (older clients); the client rebuilds the arrays, on every transport,
+and refuses a stored-form reply that cannot be (tests/lying_daemon.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from support import ServerProcess
+from test_pixels import fields_of, same, synthetic
+
+import millpond
+from millpond.core.buffer import TieredBuffer
+from millpond.core.config import BufferConfig
+from millpond.core.stored import StoredBatch
+from millpond.errors import ProtocolError
+from millpond.v1 import replay_pb2 as pb
+from millpond.wire.frames import SAMPLE_BATCH_FIELD, decode_batch_field
+
+FRAMES = {"frame_stack": {"obs": 0}, "next_of": {"next_obs": "obs"}}
+COMBOS = {
+    "frames": FRAMES,
+    "frames-lz4": dict(FRAMES, compression="lz4"),
+    "frames-zstd": dict(FRAMES, compression="zstd"),
+    "lz4": dict(compression="lz4"),
+}
+KINDS = {
+    "ram": dict(capacity=300, episodes=True),
+    "tiered-prioritized": dict(hot_capacity=100, total_capacity=300, prioritized=True,
+                               episodes=True),
+}
+LYING = str(Path(__file__).with_name("lying_daemon.py"))
+
+
+def pixel_steps(n: int = 600, seed: int = 0) -> dict[str, np.ndarray]:
+    """Transitions of frame stacks ``uint8[4, 32, 40]`` (frames of 1,280 bytes: large enough
+    to be compressed) of interleaved episodes with resets."""
+    rng = np.random.default_rng(seed)
+    data = synthetic(rng, n, shape=(32, 40))
+    data.update(actions=rng.integers(0, 4, n), rewards=rng.random(n).astype(np.float32),
+                truncated=np.zeros(n, bool))
+    return data
+
+
+DATA = pixel_steps()
+NAMES = ("obs", "next_obs", "actions", "rewards", "terminated", "truncated")
+
+
+def push(buffer, data=DATA, batch=50):
+    """Push ``data`` (a TieredBuffer with its episode ids; a handle as records only: its
+    episodes are its own)."""
+    for lo in range(0, len(data["obs"]), batch):
+        cols = {name: data[name][lo:lo + batch] for name in NAMES}
+        if isinstance(buffer, TieredBuffer):
+            buffer.push_batch(cols, episodes=data["episode"][lo:lo + batch])
+        else:
+            buffer.push_batch(**cols)
+
+
+# ---- the engine -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("combo", COMBOS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stored_sample_rebuilds_the_plain_one_of_the_same_seed(kind, combo):
+    config = dict(KINDS[kind], fields=fields_of(DATA, NAMES))
+    plain = TieredBuffer(BufferConfig.build(**config))
+    packed = TieredBuffer(BufferConfig.build(**config, **COMBOS[combo]))
+    push(plain)
+    push(packed)
+    for seed in range(3):
+        stored = packed.sample_stored(32, seed)
+        same(plain.sample(32, seed), stored.rebuild(packed.schema))
+        assert stored.nbytes < sum(a.nbytes for a in plain.sample(32, seed).values())
+        windows = packed.sample_stored(4, seed, seq_len=8)
+        same(plain.sample_sequences(4, 8, seed), windows.rebuild(packed.schema))
+        # and through the wire form's columns
+        again = StoredBatch.from_columns(windows.to_columns())
+        assert again is not None
+        same(plain.sample_sequences(4, 8, seed), again.rebuild(packed.schema))
+    if "frames" in combo:  # a window of stacks reads each frame once: ~1 new frame a step
+        windows = packed.sample_stored(4, 0, seq_len=8)
+        assert len(windows.tables["obs"]) <= 4 * (8 + 3 + 1)
+
+
+def test_n_step_samples_of_the_transition_schema():
+    rng = np.random.default_rng(3)
+    n = 400
+    obs = rng.integers(0, 3, (n, 512)).astype(np.float32)  # 2 KiB values, compressible
+    data = dict(obs=obs, next_obs=np.roll(obs, -1, axis=0), actions=np.zeros((n, 1), np.float32),
+                rewards=rng.random(n).astype(np.float32), terminated=rng.random(n) < 0.05,
+                truncated=np.zeros(n, bool))
+    config = dict(capacity=300, obs_dim=512, act_dim=1, episodes=True)
+    plain = TieredBuffer(BufferConfig.build(**config))
+    packed = TieredBuffer(BufferConfig.build(**config, next_of={"next_obs": "obs"},
+                                             compression="lz4"))
+    episodes = np.cumsum(data["terminated"]) - data["terminated"]
+    for buffer in (plain, packed):
+        buffer.push_batch(data, episodes=episodes)
+    for seed in range(3):
+        stored = packed.sample_stored(16, seed, n_step=3, gamma=0.9)
+        same(plain.sample(16, seed, n_step=3, gamma=0.9), stored.rebuild(packed.schema))
+
+
+# ---- a daemon: every transport, old clients -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A daemon holding a buffer of each combination (and a plain one), and a local
+    plain buffer with the same pushes."""
+    with ServerProcess(tmp_path_factory.mktemp("stored") / "data") as server:
+        config = dict(capacity=300, fields=fields_of(DATA, NAMES), episodes=True)
+        with millpond.connect(server.address, shm=False) as client:
+            for name, combo in {"plain": {}, **COMBOS}.items():
+                push(client.create_buffer(name, **config, **combo))
+                client.buffer(name).flush()
+        local = TieredBuffer(BufferConfig.build(**config))
+        push(local)
+        yield server, local
+
+
+def windows(*samples):
+    """Windows of two buffers without their episode ids (each buffer's handle makes its
+    own)."""
+    return [{k: v for k, v in sample.items() if k != "episode_ids"} for sample in samples]
+
+
+@pytest.mark.daemon
+@pytest.mark.parametrize("shm", [False, True], ids=["grpc", "shm"])
+def test_a_daemon_returns_the_arrays_of_a_plain_buffer(served, shm):
+    server, local = served
+    with millpond.connect(server.address, shm=shm) as client:
+        plain = client.buffer("plain")  # (its episodes: the handle's, not DATA's)
+        for name in COMBOS:
+            buffer = client.buffer(name)
+            for seed in range(2):
+                same(local.sample(32, seed), buffer.sample(32, seed))
+                same(local.sample(200, seed), buffer.sample(200, seed))  # not on a stream
+                same(*windows(plain.sample_sequences(4, 8, seed), buffer.sample_sequences(4, 8, seed)))
+
+
+@pytest.mark.daemon
+def test_the_asyncio_client_rebuilds_stored_samples(served):
+    import millpond.aio as aio
+    server, local = served
+
+    async def main():
+        async with aio.connect(server.address) as client:
+            plain = await client.buffer("plain")
+            for name in COMBOS:
+                buffer = await client.buffer(name)
+                for seed in range(2):
+                    same(local.sample(32, seed), await buffer.sample(32, seed=seed))
+                    same(*windows(await plain.sample_sequences(4, 8, seed=seed),
+                                  await buffer.sample_sequences(4, 8, seed=seed)))
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def raw_sample(address: str, name: str, stored_form: bool) -> dict[str, np.ndarray]:
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary("/millpond.v1.Replay/Sample",
+                                   request_serializer=pb.SampleRequest.SerializeToString,
+                                   response_deserializer=None)
+        reply = call(pb.SampleRequest(name=name, batch_size=32, seed=1, stored_form=stored_form),
+                     timeout=30)
+    return {k: np.array(v) for k, v in decode_batch_field(reply, SAMPLE_BATCH_FIELD).items()}
+
+
+@pytest.mark.daemon
+@pytest.mark.parametrize("combo", ["frames", "frames-zstd"])
+def test_a_client_that_does_not_ask_gets_plain_arrays(served, combo):
+    server, local = served
+    plain = raw_sample(server.address, combo, stored_form=False)  # an older client's request
+    assert not any(name.startswith("@") for name in plain)
+    same(local.sample(32, 1), plain)
+    stored = raw_sample(server.address, combo, stored_form=True)
+    assert any(name.startswith("@") for name in stored)
+    assert sum(a.nbytes for a in stored.values()) * 2 < sum(a.nbytes for a in plain.values())
+    batch = StoredBatch.from_columns(stored)
+    assert batch is not None
+    same(local.sample(32, 1), batch.rebuild(local.schema))
+    # a buffer without frame groups replies plainly to a client that asks
+    assert not any(name.startswith("@") for name in raw_sample(server.address, "plain", True))
+
+
+# ---- a daemon that lies ---------------------------------------------------------------------
+
+@pytest.mark.daemon
+@pytest.mark.parametrize("lie", ["stored-index", "stored-length", "stored-codec", "stored-size"])
+def test_a_stored_form_reply_that_cannot_be_is_refused(tmp_path, lie):
+    with ServerProcess(tmp_path / "data", env={"MILLPOND_LIE": lie}, script=LYING) as server:
+        with millpond.connect(server.address, shm=False) as client:
+            buffer = client.create_buffer("px", capacity=300, fields=fields_of(DATA, NAMES),
+                                          episodes=True, **COMBOS["frames-lz4"])
+            push(buffer)
+            buffer.flush()
+            for call in (lambda: buffer.sample(32), lambda: buffer.sample(300),
+                         lambda: buffer.sample_sequences(4, 8)):
+                with pytest.raises(ProtocolError, match=server.address):
+                    call()
