@@ -583,11 +583,10 @@ class Frames:
             wanted = wanted - 1
             ring = self.rings[i]
             if isinstance(ring, Arena):
-                blobs = [ring.blob(frame_id) for frame_id in wanted.tolist()]
+                data, lens = ring.blobs(wanted)
                 batch.tables[group.source] = FrameTable(
-                    group.codec[0] if group.codec else None,
-                    data=np.frombuffer(b"".join(blobs), np.uint8),
-                    lens=np.array([len(b) for b in blobs], LEN_DTYPE))
+                    group.codec[0] if group.codec else None, data=data,
+                    lens=lens.astype(LEN_DTYPE, copy=False))
             else:
                 batch.tables[group.source] = FrameTable(
                     None, frames=ring.frames.take(np.remainder(wanted, ring.capacity), axis=0))

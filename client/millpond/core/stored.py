@@ -238,29 +238,31 @@ def _decode(source: str, table: FrameTable, dtype: np.dtype, frame_shape: tuple[
     starts = (ends - lens).tolist()
     lengths = lens.tolist()
     view = memoryview(np.ascontiguousarray(data).data)
-    out = np.empty((n, *frame_shape), dtype)
-    flat = out.view(np.uint8).reshape(n, nbytes) if n else out.view(np.uint8)
 
-    def run(lo: int, hi: int) -> None:
+    def run(lo: int, hi: int) -> list[bytes]:
         try:
             parts = codec.decompress_many(view, starts[lo:hi], lengths[lo:hi], nbytes)
         except Exception as exc:  # lz4/zstd errors: data that is not a blob
             raise StoredFormError(f"compressed table {source!r}: a blob that does not "
                                   f"decompress ({type(exc).__name__}: {exc})") from None
-        for j, part in enumerate(parts):
-            if len(part) != nbytes:
-                raise StoredFormError(f"compressed table {source!r}: a blob decompressing "
-                                      f"to {len(part):,} bytes, not {nbytes:,}")
-            flat[lo + j] = np.frombuffer(part, np.uint8)
+        return parts
 
     if n < PARALLEL_FRAMES:
-        run(0, n)
+        parts = run(0, n)
     else:
         half = n // 2
         future = _pool().submit(run, half, n)
-        run(0, half)
-        future.result()
-    return out
+        parts = run(0, half)
+        parts += future.result()
+    whole = b"".join(parts)
+    # Neither codec writes past the size it is given (lz4's uncompressed_size, zstd's
+    # max_output_size), and raw blobs are exactly it: so no part is longer than a frame,
+    # and the whole is n frames only if every part is one.
+    if len(whole) != n * nbytes:
+        wrong = next(len(part) for part in parts if len(part) != nbytes)
+        raise StoredFormError(f"compressed table {source!r}: a blob decompressing to "
+                              f"{wrong:,} bytes, not {nbytes:,}")
+    return np.frombuffer(whole, dtype).reshape((n, *frame_shape))
 
 
 def _gather(frames: np.ndarray, ids: np.ndarray, axis: int | None) -> np.ndarray:
