@@ -22,7 +22,7 @@ from test_pixels import fields_of, same, synthetic
 import millpond
 from millpond.core.buffer import TieredBuffer
 from millpond.core.config import BufferConfig
-from millpond.core.stored import StoredBatch
+from millpond.core.stored import StoredBatch, StoredFormError
 from millpond.errors import ProtocolError
 from millpond.v1 import replay_pb2 as pb
 from millpond.wire.frames import SAMPLE_BATCH_FIELD, decode_batch_field
@@ -93,16 +93,10 @@ def test_a_stored_sample_rebuilds_the_plain_one_of_the_same_seed(kind, combo):
 
 
 def test_n_step_samples_of_the_transition_schema():
-    rng = np.random.default_rng(3)
-    n = 400
-    obs = rng.integers(0, 3, (n, 512)).astype(np.float32)  # 2 KiB values, compressible
-    data = dict(obs=obs, next_obs=np.roll(obs, -1, axis=0), actions=np.zeros((n, 1), np.float32),
-                rewards=rng.random(n).astype(np.float32), terminated=rng.random(n) < 0.05,
-                truncated=np.zeros(n, bool))
+    data = transition_steps()
     config = dict(capacity=300, obs_dim=512, act_dim=1, episodes=True)
     plain = TieredBuffer(BufferConfig.build(**config))
-    packed = TieredBuffer(BufferConfig.build(**config, next_of={"next_obs": "obs"},
-                                             compression="lz4"))
+    packed = TieredBuffer(BufferConfig.build(**config, **NEXT_LZ4))
     episodes = np.cumsum(data["terminated"]) - data["terminated"]
     for buffer in (plain, packed):
         buffer.push_batch(data, episodes=episodes)
@@ -123,9 +117,30 @@ def served(tmp_path_factory):
             for name, combo in {"plain": {}, **COMBOS}.items():
                 push(client.create_buffer(name, **config, **combo))
                 client.buffer(name).flush()
+            prioritized = dict(config, prioritized=True)
+            for name, combo in {"prio-plain": {}, "prio-frames-zstd": COMBOS["frames-zstd"]}.items():
+                push(client.create_buffer(name, **prioritized, **combo))
+            steps = transition_steps()
+            for name, combo in {"nstep-plain": {}, "nstep-lz4": NEXT_LZ4}.items():
+                buffer = client.create_buffer(name, capacity=300, obs_dim=512, act_dim=1,
+                                              episodes=True, **combo)
+                buffer.push_batch(**steps)
+                buffer.flush()
         local = TieredBuffer(BufferConfig.build(**config))
         push(local)
         yield server, local
+
+
+def transition_steps(n: int = 400) -> dict[str, np.ndarray]:
+    """Transitions of the reference schema with 2 KiB compressible observations."""
+    rng = np.random.default_rng(3)
+    obs = rng.integers(0, 3, (n, 512)).astype(np.float32)
+    return dict(obs=obs, next_obs=np.roll(obs, -1, axis=0), actions=np.zeros((n, 1), np.float32),
+                rewards=rng.random(n).astype(np.float32), terminated=rng.random(n) < 0.05,
+                truncated=np.zeros(n, bool))
+
+
+NEXT_LZ4 = dict(next_of={"next_obs": "obs"}, compression="lz4")
 
 
 def windows(*samples):
@@ -149,6 +164,21 @@ def test_a_daemon_returns_the_arrays_of_a_plain_buffer(served, shm):
 
 
 @pytest.mark.daemon
+@pytest.mark.parametrize("shm", [False, True], ids=["grpc", "shm"])
+def test_prioritized_and_n_step_samples_from_a_daemon(served, shm):
+    server, _ = served
+    with millpond.connect(server.address, shm=shm) as client:
+        plain, packed = client.buffer("prio-plain"), client.buffer("prio-frames-zstd")
+        nplain, npacked = client.buffer("nstep-plain"), client.buffer("nstep-lz4")
+        for seed in range(2):
+            same(plain.sample(32, seed), packed.sample(32, seed))
+            same(*windows(plain.sample_sequences(4, 8, seed), packed.sample_sequences(4, 8, seed)))
+            same(nplain.sample(16, seed, n_step=3, gamma=0.9),
+                 npacked.sample(16, seed, n_step=3, gamma=0.9))
+            same(nplain.sample(16, seed), npacked.sample(16, seed))
+
+
+@pytest.mark.daemon
 def test_the_asyncio_client_rebuilds_stored_samples(served):
     import millpond.aio as aio
     server, local = served
@@ -162,6 +192,12 @@ def test_the_asyncio_client_rebuilds_stored_samples(served):
                     same(local.sample(32, seed), await buffer.sample(32, seed=seed))
                     same(*windows(await plain.sample_sequences(4, 8, seed=seed),
                                   await buffer.sample_sequences(4, 8, seed=seed)))
+            nplain, npacked = await client.buffer("nstep-plain"), await client.buffer("nstep-lz4")
+            same(await nplain.sample(16, seed=1, n_step=3, gamma=0.9),
+                 await npacked.sample(16, seed=1, n_step=3, gamma=0.9))
+            pplain = await client.buffer("prio-plain")
+            ppacked = await client.buffer("prio-frames-zstd")
+            same(await pplain.sample(32, seed=1), await ppacked.sample(32, seed=1))
 
     asyncio.run(asyncio.wait_for(main(), 60))
 
@@ -208,3 +244,88 @@ def test_a_stored_form_reply_that_cannot_be_is_refused(tmp_path, lie):
                          lambda: buffer.sample_sequences(4, 8)):
                 with pytest.raises(ProtocolError, match=server.address):
                     call()
+
+
+# ---- the rebuild trusts nothing ----------------------------------------------------------
+
+def wire_forms() -> dict[str, tuple]:
+    """A small stored-form sample of each combination, as the daemon sends it."""
+    forms = {}
+    config = dict(capacity=300, fields=fields_of(DATA, NAMES), episodes=True)
+    for combo, options in COMBOS.items():
+        buffer = TieredBuffer(BufferConfig.build(**config, **options))
+        push(buffer)
+        forms[combo] = (buffer.schema, buffer.sample_stored(6, 0).to_columns(),
+                        buffer.sample(6, 0))
+    return forms
+
+
+FORMS = wire_forms()
+
+
+def mangle(columns: dict, how: str, rng: np.random.Generator) -> dict:
+    columns = dict(columns)
+    reserved = sorted(name for name in columns if name.startswith("@"))
+    name = reserved[int(rng.integers(len(reserved)))]
+    column = columns[name].copy()
+    if how == "value" and column.size:
+        flat = column.reshape(-1).view(np.uint8)
+        flat[int(rng.integers(len(flat)))] ^= np.uint8(1 << int(rng.integers(8)))
+    elif how == "big value" and column.size:
+        column.reshape(-1)[int(rng.integers(column.size))] = np.iinfo(column.dtype).max \
+            if column.dtype.kind in "iu" else 0
+    elif how == "negative" and column.dtype.kind == "i" and column.size:
+        column.reshape(-1)[int(rng.integers(column.size))] = -int(rng.integers(2, 1 << 20))
+    elif how == "dtype":
+        column = column.astype(np.int64 if column.dtype != np.int64 else np.int32)
+    elif how == "short":
+        column = column[:-1]
+    elif how == "shape":
+        column = column.reshape(-1)
+    elif how == "drop":
+        del columns[name]
+        return columns
+    elif how == "rename":
+        del columns[name]
+        columns[name.replace(":", "::", 1) if rng.random() < 0.5 else "@zip" + name[4:]] = column
+        return columns
+    columns[name] = column
+    return columns
+
+
+MANGLINGS = ["value", "big value", "negative", "dtype", "short", "shape", "drop", "rename"]
+
+
+@pytest.mark.parametrize("combo", COMBOS)
+@pytest.mark.parametrize("how", MANGLINGS)
+def test_a_mangled_stored_form_is_refused_or_rebuilt_to_the_shapes_asked(combo, how):
+    """Never another exception, never a wrong dtype or shape: a StoredFormError (the client
+    turns it into ProtocolError), or arrays that fit (a flipped pixel is data, and passes)."""
+    schema, columns, plain = FORMS[combo]
+    for seed in range(40):
+        mangled = mangle(columns, how, np.random.default_rng(seed))
+        try:
+            batch = StoredBatch.from_columns(mangled)
+            assert batch is not None
+            rebuilt = batch.rebuild(schema)
+        except StoredFormError:
+            continue
+        for name, array in rebuilt.items():
+            if name in schema.names and name in plain:
+                assert array.dtype == plain[name].dtype, (how, name)
+                assert array.shape[1:] == plain[name].shape[1:], (how, name)
+
+
+def test_a_zstd_blob_claiming_more_than_a_frame_is_refused_before_it_is_decompressed():
+    import zstandard
+    schema, columns, _ = FORMS["frames-zstd"]
+    bomb = np.frombuffer(zstandard.ZstdCompressor().compress(bytes(16 << 20)), np.uint8)
+    assert len(bomb) < 1280  # 16 MB from a blob shorter than a frame
+    lens = columns["@lens:obs"].copy()
+    data = columns["@zstd:obs"]
+    columns = {**columns, "@zstd:obs": np.concatenate([bomb, data[int(lens[0]):]]),
+               "@lens:obs": np.concatenate([[len(bomb)], lens[1:]]).astype(lens.dtype)}
+    batch = StoredBatch.from_columns(columns)
+    assert batch is not None
+    with pytest.raises(StoredFormError, match="header"):
+        batch.rebuild(schema)

@@ -238,6 +238,8 @@ def _decode(source: str, table: FrameTable, dtype: np.dtype, frame_shape: tuple[
     starts = (ends - lens).tolist()
     lengths = lens.tolist()
     view = memoryview(np.ascontiguousarray(data).data)
+    if table.codec == "zstd":
+        _check_zstd_sizes(source, view, starts, lengths, nbytes)
 
     def run(lo: int, hi: int) -> list[bytes]:
         try:
@@ -263,6 +265,23 @@ def _decode(source: str, table: FrameTable, dtype: np.dtype, frame_shape: tuple[
         raise StoredFormError(f"compressed table {source!r}: a blob decompressing to "
                               f"{wrong:,} bytes, not {nbytes:,}")
     return np.frombuffer(whole, dtype).reshape((n, *frame_shape))
+
+
+def _check_zstd_sizes(source: str, view: memoryview, starts: list[int], lengths: list[int],
+                      nbytes: int) -> None:
+    """Every compressed zstd blob's header says ``nbytes`` (ours always carry the size):
+    zstd decompresses to the size a frame's header gives, whatever ``max_output_size``
+    says, so a blob of a few KB could otherwise make a reader allocate gigabytes."""
+    import zstandard
+
+    try:
+        for at, n in zip(starts, lengths):
+            if n != nbytes and zstandard.frame_content_size(view[at:at + n]) != nbytes:
+                raise StoredFormError(f"compressed table {source!r}: a zstd blob whose header "
+                                      f"does not give the frame's {nbytes:,} bytes")
+    except zstandard.ZstdError as exc:
+        raise StoredFormError(f"compressed table {source!r}: a blob that is not a zstd frame "
+                              f"({exc})") from None
 
 
 def _gather(frames: np.ndarray, ids: np.ndarray, axis: int | None) -> np.ndarray:
