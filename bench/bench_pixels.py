@@ -66,10 +66,32 @@ def section(quick: bool, seconds: float, timed_rate: Callable) -> None:
             print(f"    {label:7} stored {per[label]:8,.0f} B/transition = 1/"
                   f"{per['plain'] / per[label]:<6.1f} sample(32) {rate[label]:9,.0f}/s "
                   f"= {rate[label] / rate['plain']:.2f}x plain")
+        shm_choice(buffers, seconds, timed_rate)
         for buf in buffers.values():
             buf.close()
         recorded[game] = data
     remote_learner(recorded, quick, seconds)
+
+
+def shm_choice(buffers: dict, seconds: float, timed_rate: Callable) -> None:
+    """What the fast path would gain by the stored form: over shared memory the daemon
+    gathers a sample straight into the client's segment (``sample(out=)``: the client
+    copies nothing), where the stored form would have it write the small tables and the
+    client rebuild (``sample_stored`` + ``rebuild``: the same decompression and one copy of
+    the arrays, moved to the client). Both in-process, in turns, as a ratio."""
+    ratios = []
+    for label, buf in list(buffers.items())[1:]:
+        out = {f.name: np.empty((REMOTE_BATCH, *f.shape), f.dtype) for f in buf.schema}
+        plain, stored = [], []
+        for _ in range(3):
+            plain.append(timed_rate(lambda b=buf: b.sample(REMOTE_BATCH, out=out), 1,
+                                    seconds / 3, repeats=1))
+            stored.append(timed_rate(lambda b=buf: b.sample_stored(REMOTE_BATCH).rebuild(b.schema),
+                                     1, seconds / 3, repeats=1))
+        ratios.append(f"{label} {statistics.median(stored) / statistics.median(plain):.2f}x")
+    print(f"    shared memory: the stored form rebuilt by the client, beside the plain sample("
+          f"{REMOTE_BATCH}) gathered into the segment by the daemon: {', '.join(ratios)} "
+          "(the fast path sends plain arrays)")
 
 
 REMOTE_BATCH = 256  # a learner's sample: 14.5 MB as plain Atari transitions

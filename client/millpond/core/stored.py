@@ -28,6 +28,19 @@ client turns it into ``ProtocolError`` naming the server). Compressed tables
 decompress on a few threads when they are large enough to pay (see
 :data:`PARALLEL_FRAMES`).
 
+**Who sends it.** The daemon, over gRPC, to a client that asks (``stored_form`` in
+``SampleRequest`` and ``SampleSequencesRequest``; an older client does not, and gets
+plain arrays; a newer client talking to an older daemon gets plain arrays too, and takes
+them as they are): ``sample`` (uniform, prioritized, n-step) and ``sample_sequences`` of
+buffers with frame groups that draw (a queue's or a stack's samples remove records, and
+keep the plain path and its delivery rules), whenever the stored form is the smaller
+(frames of a few bytes cost more in indices than they save). ``sample_episodes`` (sized
+by its draw), ``read`` and catalogs stay plain: they are not a learner's steady call. Over
+shared memory the arrays stay plain too: there the daemon gathers a sample straight into
+the client's segment, one copy, and the stored form would move the same decompression and
+one copy of the arrays to the client, measured no faster (0.3-0.9x in-process, see
+``shm_choice`` in bench/bench_pixels.py).
+
 **On the wire** (:meth:`StoredBatch.to_columns`, :meth:`StoredBatch.from_columns`) the
 form is plain columns with reserved names (field names are identifiers, so a name
 starting with ``@`` is never a field's): ``@frames:<source>`` (a plain table),
@@ -54,10 +67,12 @@ from millpond.core.schema import Schema
 INDEX_DTYPE = np.dtype("<i4")
 LEN_DTYPE = np.dtype("<u4")
 PREFIX = "@"
-# A compressed table is decompressed on threads when it has at least this many frames
-# (split in runs of at least half of it): both codecs release the GIL while they work, but
-# on frames of a few KB each handoff costs about what a decompression does. See
-# bench/bench_pixels.py (the remote learner) for the measurement behind it.
+# A compressed table is decompressed on two threads (a half each) when it has at least this
+# many frames: both codecs release the GIL while they work, but an 84x84 frame takes 1-5 us
+# and each handoff costs about as much. Measured on the 2-core development machine (Atari
+# frames, other work running): a sample(256) (~430 distinct frames) rebuilt at 0.8-1.3x of
+# one thread (noise either way: bench/bench_pixels.py prints it); 2,700 frames at 1.27x
+# with zstd and 1.0x with lz4.
 PARALLEL_FRAMES = int(os.environ.get("MILLPOND_REBUILD_PARALLEL_FRAMES", 0)) or 1024
 THREADS = 2
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
