@@ -92,6 +92,28 @@ def test_a_stored_sample_rebuilds_the_plain_one_of_the_same_seed(kind, combo):
         assert len(windows.tables["obs"]) <= 4 * (8 + 3 + 1)
 
 
+@pytest.mark.parametrize("combo", ["frames", "frames-zstd"])
+@pytest.mark.parametrize("padding", ["reset", "zero", "noise"])
+def test_stacks_on_another_axis_and_misaligned_ones(combo, padding):
+    rng = np.random.default_rng(11)
+    data = synthetic(rng, 400, shape=(32, 40), padding=padding)
+    data.update(actions=rng.integers(0, 4, 400), rewards=rng.random(400).astype(np.float32),
+                truncated=np.zeros(400, bool))
+    data["obs"], data["next_obs"] = (np.ascontiguousarray(np.moveaxis(data[name], 1, 3))
+                                     for name in ("obs", "next_obs"))
+    options = dict(COMBOS[combo], frame_stack={"obs": 2}, frame_capacity=2 * 4 * 300)
+    config = dict(hot_capacity=60, total_capacity=250, fields=fields_of(data, NAMES),
+                  episodes=True)
+    plain = TieredBuffer(BufferConfig.build(**config))
+    packed = TieredBuffer(BufferConfig.build(**config, **options))
+    push(plain, data)
+    push(packed, data)
+    for seed in range(3):
+        same(plain.sample(32, seed), packed.sample_stored(32, seed).rebuild(packed.schema))
+        same(plain.sample_sequences(3, 10, seed),
+             packed.sample_stored(3, seed, seq_len=10).rebuild(packed.schema))
+
+
 def test_n_step_samples_of_the_transition_schema():
     data = transition_steps()
     config = dict(capacity=300, obs_dim=512, act_dim=1, episodes=True)
@@ -158,8 +180,8 @@ def test_a_daemon_returns_the_arrays_of_a_plain_buffer(served, shm):
         for name in COMBOS:
             buffer = client.buffer(name)
             for seed in range(2):
-                same(local.sample(32, seed), buffer.sample(32, seed))
-                same(local.sample(200, seed), buffer.sample(200, seed))  # not on a stream
+                same(local.sample(4, seed), buffer.sample(4, seed))  # a message on a stream
+                same(local.sample(200, seed), buffer.sample(200, seed))
                 same(*windows(plain.sample_sequences(4, 8, seed), buffer.sample_sequences(4, 8, seed)))
 
 
@@ -189,7 +211,8 @@ def test_the_asyncio_client_rebuilds_stored_samples(served):
             for name in COMBOS:
                 buffer = await client.buffer(name)
                 for seed in range(2):
-                    same(local.sample(32, seed), await buffer.sample(32, seed=seed))
+                    same(local.sample(4, seed), await buffer.sample(4, seed=seed))
+                    same(local.sample(100, seed), await buffer.sample(100, seed=seed))
                     same(*windows(await plain.sample_sequences(4, 8, seed=seed),
                                   await buffer.sample_sequences(4, 8, seed=seed)))
             nplain, npacked = await client.buffer("nstep-plain"), await client.buffer("nstep-lz4")
@@ -240,7 +263,7 @@ def test_a_stored_form_reply_that_cannot_be_is_refused(tmp_path, lie):
                                           episodes=True, **COMBOS["frames-lz4"])
             push(buffer)
             buffer.flush()
-            for call in (lambda: buffer.sample(32), lambda: buffer.sample(300),
+            for call in (lambda: buffer.sample(4), lambda: buffer.sample(300),
                          lambda: buffer.sample_sequences(4, 8)):
                 with pytest.raises(ProtocolError, match=server.address):
                     call()
