@@ -78,7 +78,12 @@ def shm_choice(buffers: dict, seconds: float, timed_rate: Callable) -> None:
     gathers a sample straight into the client's segment (``sample(out=)``: the client
     copies nothing), where the stored form would have it write the small tables and the
     client rebuild (``sample_stored`` + ``rebuild``: the same decompression and one copy of
-    the arrays, moved to the client). Both in-process, in turns, as a ratio."""
+    the arrays, moved to the client). Both in-process, in turns, as a ratio, with malloc
+    tuned as the daemon and a connected client have it (see :mod:`millpond.remote.malloc`:
+    else the rebuild's fresh arrays pay page faults)."""
+    from millpond.remote.malloc import tune_malloc_for_large_messages
+
+    tune_malloc_for_large_messages()
     ratios = []
     for label, buf in list(buffers.items())[1:]:
         out = {f.name: np.empty((REMOTE_BATCH, *f.shape), f.dtype) for f in buf.schema}
@@ -107,8 +112,8 @@ def remote_learner(recorded: dict, quick: bool, seconds: float) -> None:
     call at a time (``sample``), and as a learner takes them (``sampler(prefetch=4)``:
     calls in flight while it rebuilds), the bare download one call at a time either way.
     Also the bytes a sample's reply carries, and ``sample`` with the client's
-    decompression on two threads forced (``PARALLEL_FRAMES``: see
-    :mod:`millpond.core.stored`), as a ratio to one thread."""
+    decompression on two threads forced beside one thread forced (``PARALLEL_FRAMES``: see
+    :mod:`millpond.core.stored`), in turns, the median ratio."""
     from grpc_limits import BareEcho, call_rate
     from support import ServerProcess
 
@@ -157,14 +162,16 @@ def remote_learner(recorded: dict, quick: bool, seconds: float) -> None:
                             ratios[label][way].append(rate / limit)
                 for sampler in samplers.values():
                     sampler.close()
-                threaded = {}
+                threaded: dict[str, list[float]] = {"lz4": [], "zstd": []}
                 saved = stored.PARALLEL_FRAMES
                 try:
-                    stored.PARALLEL_FRAMES = 1
-                    for label in ("lz4", "zstd"):
-                        buf = handles[label]
-                        threaded[label] = call_rate(lambda b=buf: b.sample(REMOTE_BATCH),
-                                                    seconds) * plain_bytes
+                    for _ in range(3):  # in turns: two threads, then one
+                        for label, turns in threaded.items():
+                            buf, rate = handles[label], []
+                            for stored.PARALLEL_FRAMES in (1, 1 << 40):
+                                rate.append(call_rate(lambda b=buf: b.sample(REMOTE_BATCH),
+                                                      seconds / 2))
+                            turns.append(rate[0] / rate[1])
                 finally:
                     stored.PARALLEL_FRAMES = saved
                 print(f"  {game}: bare-gRPC download of {plain_bytes / 1e6:.1f} MB replies "
@@ -178,8 +185,8 @@ def remote_learner(recorded: dict, quick: bool, seconds: float) -> None:
                             f"sampler(prefetch=4): {ahead / 1e9:5.2f} GB/s = "
                             f"{statistics.median(ratios[label][1]):.2f}x")
                     if label in threaded:
-                        line += (f"; sample() decompressing on 2 threads: "
-                                 f"{threaded[label] / one:.2f}x")
+                        line += (f"; decompressing on 2 threads: "
+                                 f"{statistics.median(threaded[label]):.2f}x 1")
                     print(line)
         finally:
             for bare in bares:

@@ -68,12 +68,14 @@ INDEX_DTYPE = np.dtype("<i4")
 LEN_DTYPE = np.dtype("<u4")
 PREFIX = "@"
 # A compressed table is decompressed on two threads (a half each) when it has at least this
-# many frames: both codecs release the GIL while they work, but an 84x84 frame takes 1-5 us
-# and each handoff costs about as much. Measured on the 2-core development machine (Atari
-# frames, other work running): a sample(256) (~430 distinct frames) rebuilt at 0.8-1.3x of
-# one thread (noise either way: bench/bench_pixels.py prints it); 2,700 frames at 1.27x
-# with zstd and 1.0x with lz4.
-PARALLEL_FRAMES = int(os.environ.get("MILLPOND_REBUILD_PARALLEL_FRAMES", 0)) or 1024
+# many frames (lz4's; zstd's: a quarter as many, it decompresses 2-4x slower): both codecs
+# release the GIL while they work, but an 84x84 frame takes 1-5 us and each handoff costs
+# about as much. Measured on the 2-core development machine (Atari frames, other work
+# running): sample(256) of 430-850 distinct frames rebuilt on two threads at 0.9-1.2x of
+# one with zstd (median ~1.1x), 0.9-1.1x with lz4 (bench/bench_pixels.py prints it);
+# 2,700 frames at 1.27x with zstd and 1.0x with lz4.
+PARALLEL_FRAMES = int(os.environ.get("MILLPOND_REBUILD_PARALLEL_FRAMES", 0)) or 2048
+_PARALLEL_SHARE = {"lz4": 1, "zstd": 4}  # PARALLEL_FRAMES is divided by this
 THREADS = 2
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
@@ -264,7 +266,7 @@ def _decode(source: str, table: FrameTable, dtype: np.dtype, frame_shape: tuple[
                                   f"decompress ({type(exc).__name__}: {exc})") from None
         return parts
 
-    if n < PARALLEL_FRAMES:
+    if n < PARALLEL_FRAMES // _PARALLEL_SHARE[table.codec]:
         parts = run(0, n)
     else:
         half = n // 2
