@@ -352,3 +352,13 @@ def test_a_zstd_blob_claiming_more_than_a_frame_is_refused_before_it_is_decompre
     assert batch is not None
     with pytest.raises(StoredFormError, match="header"):
         batch.rebuild(schema)
+
+
+@pytest.mark.parametrize("combo", ["frames-lz4", "frames-zstd", "lz4"])
+def test_tables_decompressed_on_threads_rebuild_the_same(monkeypatch, combo):
+    import millpond.core.stored as stored
+    schema, columns, plain = FORMS[combo]
+    monkeypatch.setattr(stored, "PARALLEL_FRAMES", 1)  # every table on two threads
+    batch = StoredBatch.from_columns(columns)
+    assert batch is not None
+    same(plain, batch.rebuild(schema))
