@@ -309,7 +309,7 @@ class Arena:
         decompresses elsewhere is sent)."""
         slots = frame_ids % self.capacity
         lens = self.lens[slots]
-        data = memoryview(self.data)
+        data = memoryview(self.data.data)
         # One join of views: 4x faster than a take of one index per byte (850 Atari blobs).
         joined = b"".join([data[at:at + n] for at, n in
                            zip((self.offs[slots] % self.lap).tolist(), lens.tolist())])
