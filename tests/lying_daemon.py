@@ -27,6 +27,9 @@ with twice the capacity asked.
 The fast path's replies: ``shm-extras`` (a sample says it wrote a prioritized buffer's
 ``weights`` and ``indices``), ``shm-segment`` (a result segment's fd half the size
 asked), ``shm-segment-id`` (every result segment has the first one's id).
+
+Samples in the stored form (``stored-index``, ``stored-length``, ``stored-codec``,
+``stored-size``): see :func:`_lying_stored`.
 For tests only.
 """
 
@@ -70,7 +73,36 @@ def _lying_columns(field: int, columns: Any, *args: Any, **kwargs: Any) -> bytes
         columns["seqs"] = columns["seqs"][:-1]
     elif LIE == "indices" and "indices" in columns:
         columns["indices"] = columns["indices"] + (1 << 48)
+    elif LIE.startswith("stored-"):
+        columns = _lying_stored(columns)
     return _real_encode(field, columns, *args, **kwargs)
+
+
+def _lying_stored(columns: dict) -> dict:
+    """A stored-form reply (millpond.core.stored) lied about: an index past its table
+    (``stored-index``), a blob one byte longer than its bytes (``stored-length``), an
+    unknown codec (``stored-codec``), a blob decompressing to 100 bytes, not a frame's
+    (``stored-size``)."""
+    out = {}
+    for name, column in columns.items():
+        kind, _, source = name[1:].partition(":") if name.startswith("@") else ("", "", "")
+        if LIE == "stored-index" and kind == "ids":
+            column = column.copy()
+            column.flat[0] = 1 << 20
+        elif LIE == "stored-length" and kind == "lens":
+            column = column.copy()
+            column[0] += 1
+        elif LIE == "stored-codec" and kind == "lz4":
+            name = f"@lzma:{source}"
+        elif LIE == "stored-size" and kind == "lz4":
+            from millpond.core.codecs import codec
+            lens = columns[f"@lens:{source}"]
+            small = np.frombuffer(codec("lz4", 0).compress(bytes(100)), np.uint8)
+            column = np.concatenate([small, column[int(lens[0]):]])
+            out[f"@lens:{source}"] = np.concatenate([[len(small)], lens[1:]]).astype(lens.dtype)
+        if name not in out:
+            out[name] = column
+    return out
 
 
 def _lying_sample(self: service.ReplayService, buffer: TieredBuffer, batch_size: int,
@@ -155,6 +187,8 @@ def _lying_result_segment(self: fastpath.FastPathSession, message: dict, fds: li
 LIARS: dict[str, tuple[Any, str, Any]] = {  # the lie -> (class, method, lying method)
     **{lie: (service.ReplayService, "_sample_frames", _lying_sample)
        for lie in ("rows", "dtype", "extra", "missing", "width", "seqs", "indices")},
+    **{lie: (service.ReplayService, "_sample_frames", _lying_sample)
+       for lie in ("stored-index", "stored-length", "stored-codec", "stored-size")},
     "push": (operations.Operations, "push_batch", _lying_push_batch),
     "pushed": (operations.Operations, "push_batch", _lying_push_batch),
     "updated": (TieredBuffer, "update_priorities", _lying_update_priorities),

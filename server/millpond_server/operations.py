@@ -30,6 +30,7 @@ import numpy as np
 
 from millpond.core import BufferConfig, BufferInfo, TieredBuffer
 from millpond.core.episodes import EPISODE_COLUMN
+from millpond.core.stored import StoredBatch
 from millpond.errors import InternalError, ReplayError, ServerStartingError, StorageIOError
 
 from .auth import Auth
@@ -178,6 +179,14 @@ class Operations:
         extra = {} if out is None else {"out": out}
         return try_now(getattr(buffer, op), batch_size, seed=seed, filter_meta=filter_meta,
                        **params, **extra)
+
+    def sample_stored(self, buffer: TieredBuffer, op: str, batch_size: int, seed: int | None,
+                      filter_meta: Mapping[str, Any] | None, params: Mapping[str, Any]
+                      ) -> StoredBatch:
+        """``op`` (sample, sample_n_step, sample_sequences) now, in the stored form
+        (:meth:`TieredBuffer.sample_stored`), or raise WouldWait."""
+        return try_now(buffer.sample_stored, batch_size, seed, filter_meta=filter_meta or None,
+                       **params)
 
     @staticmethod
     def read(buffer: TieredBuffer, seqs: Any, fields: Any,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 from typing import Any, Callable, TypeAlias, TypeVar
 
 import grpc
@@ -188,6 +189,16 @@ def sample_reply_nbytes(config: BufferConfig, batch_size: int) -> int:
     return _sample_reply_nbytes(config.schema, batch_size, config.prioritized is not None)
 
 
+STORED_OPS = ("sample", "sample_n_step", "sample_sequences")  # replied in the stored form
+
+
+def stored_replies(config: BufferConfig) -> bool:
+    """Whether samples of a buffer of ``config`` may reply in the stored form (see
+    :meth:`ReplayService._episodic`): it has frame groups, and its samples draw (a
+    queue's or a stack's remove records: their replies stay plain)."""
+    return config.stored_schema != config.schema and not consumes(config)
+
+
 def consumes(config: BufferConfig) -> bool:
     """Whether a sample of a buffer of ``config`` consumes what it returns: a queue's or a
     stack's records are removed, a use-limited buffer's draws are counted."""
@@ -274,14 +285,15 @@ class ReplayService:
         """
         seed = request.seed if request.HasField("seed") else None
         timeout = request.timeout if request.HasField("timeout") else None
-        if request.HasField("n_step") or request.filter_meta.columns:  # episodic buffers
+        buffer = self.ops.registry.get(request.name)
+        config = buffer.config
+        stored = request.stored_form and stored_replies(config)
+        if request.HasField("n_step") or request.filter_meta.columns or stored:
             params = ({"n_step": request.n_step, "gamma": request.gamma}
                       if request.HasField("n_step") else {})
             return await self._episodic(
                 "sample_n_step" if params else "sample", request.name, request.batch_size, seed,
-                request.filter_meta, params, timeout, context)
-        buffer = self.ops.registry.get(request.name)
-        config = buffer.config
+                request.filter_meta, params, timeout, context, stored)
         nbytes = sample_reply_nbytes(config, request.batch_size)
         limit = self._reply_limit(context)
         if nbytes > limit:
@@ -370,7 +382,7 @@ class ReplayService:
         return await self._episodic("sample_sequences", request.name, request.batch_size,
                                     optional(request, "seed"), request.filter_meta,
                                     {"seq_len": request.seq_len}, optional(request, "timeout"),
-                                    context)
+                                    context, request.stored_form)
 
     @_rpc
     async def SampleEpisodes(self, request: pb.SampleEpisodesRequest, context: Context) -> bytes:
@@ -381,19 +393,37 @@ class ReplayService:
 
     async def _episodic(self, op: str, name: str, batch_size: int, seed: int | None,
                         filter_meta: pb.Batch, params: dict[str, Any], timeout: float | None,
-                        context: grpc.aio.ServicerContext) -> bytes:
+                        context: grpc.aio.ServicerContext, stored: bool = False) -> bytes:
         """An episodic sample (or a filtered one), its reply encoded on the pool. Sized
         before it draws, as :meth:`Sample`: exactly, framing, weights and indices
         included (``sample_episodes`` without ``max_len``, whose size the draw decides,
-        consumes no record: it is sized once encoded)."""
+        consumes no record: it is sized once encoded).
+
+        ``stored`` (the client asked for it, see ``SampleRequest.stored_form``): a
+        ``sample``, ``sample_n_step`` or ``sample_sequences`` of a buffer with frame groups
+        that consumes nothing replies in the stored form (:mod:`millpond.core.stored`:
+        each group's distinct frames once, compressed ones as stored; the client
+        rebuilds the arrays), or plainly where that is not smaller (frames of a few bytes,
+        whose indices cost more than they save): so a reply is never larger than the
+        plain one it was sized as."""
         wanted = decode_meta(filter_meta) or None
         buffer = self.ops.registry.get(name)
         limit = self._reply_limit(context)
         specs = reply_specs(buffer.config, op, batch_size, params)
         if specs is not None:
             self._check_reply(reply_nbytes(specs), op, limit)
+        stored = (stored and specs is not None and op in STORED_OPS
+                  and stored_replies(buffer.config))
 
         def frames() -> bytes:
+            if stored:
+                assert specs is not None
+                batch = self.ops.sample_stored(buffer, op, batch_size, seed, wanted, params)
+                plain = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in specs)
+                columns = (batch.to_columns() if batch.nbytes < plain
+                           else batch.rebuild(buffer.schema))
+                return self._check_reply(encode_with_batch(SAMPLE_BATCH_FIELD, columns), op,
+                                         limit)
             if op == "sample":
                 result = self.ops.sample(buffer, batch_size, seed, filter_meta=wanted)
             else:

@@ -303,6 +303,18 @@ class Arena:
         at = int(self.offs[slot]) % self.lap
         return memoryview(self.data[at:at + int(self.lens[slot])].data)
 
+    def blobs(self, frame_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Frames ``frame_ids``' (live) stored bytes, one after the other (uint8, a copy),
+        and their lengths (:meth:`blob` of many, in one gather: what a reader that
+        decompresses elsewhere is sent)."""
+        slots = frame_ids % self.capacity
+        lens = self.lens[slots]
+        data = memoryview(self.data.data)
+        # One join of views: 4x faster than a take of one index per byte (850 Atari blobs).
+        joined = b"".join([data[at:at + n] for at, n in
+                           zip((self.offs[slots] % self.lap).tolist(), lens.tolist())])
+        return np.frombuffer(joined, np.uint8), lens
+
     def read(self, frame_ids: np.ndarray) -> np.ndarray:
         """Frames ``frame_ids`` (live) decompressed, as the bytes of each, one after the
         other (a read-only uint8 array), on threads when they are many."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence, TypeVar
 
 import numpy as np
 
@@ -55,6 +55,7 @@ from millpond.core.ratelimit import RateState
 from millpond.core.recovery import recover
 from millpond.core.sequences import Out
 from millpond.core.snapshot import CheckpointResult, Snapshot
+from millpond.core.stored import StoredBatch
 from millpond.core.tier import Tier
 from millpond.errors import (
     BufferClosedError,
@@ -63,6 +64,8 @@ from millpond.errors import (
     InvalidConfigError,
     NotEnoughDataError,
 )
+
+_R = TypeVar("_R")
 
 
 class TieredBuffer(ConfigAccessors):
@@ -339,9 +342,39 @@ class TieredBuffer(ConfigAccessors):
         with those meta values; ``n_step`` (with ``gamma``) returns n-step
         transitions (see :meth:`sample_n_step`).
         """
+        return self._read(*self._sample_draw(batch_size, seed, out, timeout, n_step, gamma,
+                                             filter_meta))
+
+    def sample_stored(self, batch_size: int, seed: int | None = None, *,
+                      timeout: float | None = None, n_step: int | None = None,
+                      gamma: float = 0.99, filter_meta: Mapping[str, Any] | None = None,
+                      seq_len: int | None = None) -> StoredBatch:
+        """What :meth:`sample` (``seq_len``: :meth:`sample_sequences`) returns, in the
+        stored form: the distinct frames of its frame groups once (compressed ones as
+        stored), and per group field the indices of its values' frames (see
+        :mod:`.stored`). The same draw as the plain call's: with the same contents and
+        ``seed``, ``sample_stored(...).rebuild(schema)`` is exactly the plain call's
+        result (the use counts, rate limits and priorities alike). For readers that
+        move the sample elsewhere (a server replying over a wire) before rebuilding it.
+        A buffer without frame groups gives its plain arrays as ``columns``. Not for
+        queue and stack modes (NotImplementedError: their samples remove records)."""
+        if self.config.removes:
+            raise NotImplementedError("sample_stored draws; queue and stack samples remove")
+        if seq_len is not None:
+            if n_step is not None:
+                raise InvalidArgumentError("seq_len and n_step are different calls")
+            plan = self._sequences_draw(batch_size, seq_len, seed, filter_meta, timeout, None)
+        else:
+            plan = self._sample_draw(batch_size, seed, None, timeout, n_step, gamma, filter_meta)
+        size, need, wait, draw = plan
+        return self._read(size, need, wait, lambda: self._fifo.stored_reads(draw))
+
+    def _sample_draw(self, batch_size: int, seed: int | None, out: Out, timeout: float | None,
+                     n_step: int | None, gamma: float, filter_meta: Mapping[str, Any] | None
+                     ) -> tuple[int, int, float | None, Callable[[], dict[str, np.ndarray]]]:
+        """:meth:`sample`'s arguments checked, and its draw (for :meth:`_read`)."""
         if n_step is not None:
-            return self.sample_n_step(batch_size, n_step, gamma, seed, filter_meta=filter_meta,
-                                      timeout=timeout)
+            return self._n_step_draw(batch_size, n_step, gamma, seed, filter_meta, timeout, out)
         batch_size = check_batch_size(batch_size)
         seed = check_seed(seed)
         wanted = self._filter(filter_meta)
@@ -356,10 +389,10 @@ class TieredBuffer(ConfigAccessors):
                 seqs, extras = seqs[order], {k: v[order] for k, v in extras.items()}
             return {**self._fifo.gather(seqs, out), **extras}
 
-        return self._read(batch_size, batch_size, timeout, draw)
+        return batch_size, batch_size, timeout, draw
 
     def _read(self, batch_size: int, need: int, timeout: float | None,
-              read: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+              read: Callable[[], _R]) -> _R:
         """``read()`` under the lock once a sample of ``batch_size`` may proceed: without a
         rate limiter, at once if ``need`` records are held (else NotEnoughDataError);
         with one, after waiting up to ``timeout`` while it would break it. Counted
@@ -543,12 +576,18 @@ class TieredBuffer(ConfigAccessors):
         step)``, returned too), ``next_obs``, ``terminated`` and ``truncated`` of step
         ``t + n_step_lens - 1``. Steps ``t`` are drawn like :meth:`sample`'s records.
         ``out``: arrays for the results (e.g. shared memory), as for :meth:`sample`."""
+        return self._read(*self._n_step_draw(batch_size, n_step, gamma, seed, filter_meta,
+                                             timeout, out))
+
+    def _n_step_draw(self, batch_size: int, n_step: int, gamma: float, seed: int | None,
+                     filter_meta: Mapping[str, Any] | None, timeout: float | None, out: Out
+                     ) -> tuple[int, int, float | None, Callable[[], dict[str, np.ndarray]]]:
         batch_size, seed = check_batch_size(batch_size), check_seed(seed)
         n_step, gamma = check_n_step(self.config, n_step, gamma)
         index, wanted = self._episodes_or_raise(), self._filter(filter_meta)
-        return self._read(batch_size, batch_size, timeout, lambda: sequences.sample_n_step(
+        return batch_size, batch_size, timeout, lambda: sequences.sample_n_step(
             self._fifo, index, self._strategy, self._generator(seed), batch_size, n_step, gamma,
-            wanted, out))
+            wanted, out)
 
     def sample_sequences(self, batch_size: int, seq_len: int, seed: int | None = None, *,
                          filter_meta: Mapping[str, Any] | None = None,
@@ -564,12 +603,18 @@ class TieredBuffer(ConfigAccessors):
         (prioritized buffers add ``weights`` and ``indices`` of the starts);
         NotEnoughDataError only when there is none.
         """
+        return self._read(*self._sequences_draw(batch_size, seq_len, seed, filter_meta, timeout,
+                                                out))
+
+    def _sequences_draw(self, batch_size: int, seq_len: int, seed: int | None,
+                        filter_meta: Mapping[str, Any] | None, timeout: float | None, out: Out
+                        ) -> tuple[int, int, float | None, Callable[[], dict[str, np.ndarray]]]:
         batch_size, seed = check_batch_size(batch_size), check_seed(seed)
         seq_len = check_count("seq_len", seq_len, MAX_WINDOW)
         index, wanted = self._episodes_or_raise(), self._filter(filter_meta)
-        return self._read(batch_size, 1, timeout, lambda: sequences.sample_sequences(
+        return batch_size, 1, timeout, lambda: sequences.sample_sequences(
             self._fifo, index, self._strategy, self._generator(seed), batch_size, seq_len, wanted,
-            out))
+            out)
 
     sample_trajectories = sample_sequences  # rlox's name
 

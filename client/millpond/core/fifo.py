@@ -23,6 +23,7 @@ import numpy as np
 from millpond.core.bufferfile import BufferFile
 from millpond.core.frames import Frames
 from millpond.core.schema import Schema
+from millpond.core.stored import StoredBatch
 from millpond.core.tier import Tier
 
 # before_commit(lo, hi, row): records [lo, hi), batch rows from row on, are written, not yet live.
@@ -71,6 +72,7 @@ class Fifo:
         self.pushed = self.first = self.hot_lo = 0
         self.holes = np.empty(0, np.int64)
         self.listeners: Sequence[FifoListener] = ()
+        self.refs = False  # reads return frame refs: see stored_reads
 
     @property
     def size(self) -> int:
@@ -221,6 +223,23 @@ class Fifo:
 
     # ---- reads -----------------------------------------------------------------
 
+    def stored_reads(self, read: Callable[[], dict[str, np.ndarray]]) -> StoredBatch:
+        """``read()`` (a draw under the buffer's lock: any sample of ``sequences`` or the
+        buffer) in the stored form (:class:`.stored.StoredBatch`): while it runs,
+        :meth:`gather` and :meth:`gather_rows` return a group field as its frame *refs*
+        (``id + 1``, ``[..., k]`` int64) instead of decoding it, so the draw, its order
+        and its padding (a zeroed row: ref 0, a zero frame) are exactly the plain
+        read's; then :meth:`.frames.Frames.stored_form` makes the tables. Without frame
+        groups, the plain arrays."""
+        if self.frames is None:
+            return StoredBatch(read())
+        self.refs = True
+        try:
+            result = read()
+        finally:
+            self.refs = False
+        return self.frames.stored_form(result)
+
     def gather(self, seqs: np.ndarray, out: Mapping[str, np.ndarray] | None = None,
                hot_first: bool = False) -> dict[str, np.ndarray]:
         """Copy live records ``seqs`` into ``out`` (new arrays if None).
@@ -228,9 +247,12 @@ class Fifo:
         Rows holding cold records come first, then hot ones, each group in
         the order given (hot first if ``hot_first``): one gather per tier.
         """
+        frames = self.frames
+        if frames is not None and self.refs:
+            return self._refs(self._gather(seqs, {f.name: np.empty((len(seqs),) + f.shape, f.dtype)
+                                                  for f in self.stored}, hot_first))
         if out is None:
             out = {f.name: np.empty((len(seqs),) + f.shape, f.dtype) for f in self.schema}
-        frames = self.frames
         if frames is None:
             return self._gather(seqs, out, hot_first)
         stored = {name: np.empty((len(seqs),) + self.stored[name].shape, self.stored[name].dtype)
@@ -264,6 +286,8 @@ class Fifo:
         if frames is None:
             return self._gather_rows(seqs, names, out, self.schema)
         names = list(names or self.schema.names)
+        if self.refs:
+            return self._refs(self._gather_rows(seqs, names, None, self.stored))
         coded = [name for name in names if name in frames.group_of]
         stored = self._gather_rows(seqs, names, {name: array for name, array in (out or {}).items()
                                                  if name not in frames.group_of} or None,
@@ -278,6 +302,14 @@ class Fifo:
             stored[name] = array
         frames.decode_fields(decoding)
         return {name: stored[name] for name in names}
+
+    def _refs(self, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``stored`` with each group field's frame ids as refs (``id + 1``)."""
+        assert self.frames is not None
+        for name in stored:
+            if name in self.frames.group_of:
+                stored[name] += 1
+        return stored
 
     def stored_rows(self, seqs: np.ndarray, names: Sequence[str]) -> dict[str, np.ndarray]:
         """Fields ``names`` of live records ``seqs`` as the tiers hold them (frame ids)."""

@@ -87,6 +87,7 @@ from millpond.core.arena import ID_DTYPE, LEN_DTYPE, OFF_DTYPE, Arena, ring_limi
 from millpond.core.checksum import CHECKSUM_DTYPE, record_checksums
 from millpond.core.codecs import codec
 from millpond.core.schema import Field, Schema
+from millpond.core.stored import INDEX_DTYPE, FrameTable, StoredBatch
 from millpond.errors import InvalidConfigError, StorageFullError
 
 FRAMES_PREFIX = "frames:"
@@ -737,6 +738,40 @@ class Frames:
             return
         taken = frames.take(rows, axis=0, mode="clip").reshape((m, group.k) + group.frame_shape)
         out[...] = np.moveaxis(taken, 1, 1 + group.axis)
+
+    def stored_form(self, result: Mapping[str, np.ndarray]) -> StoredBatch:
+        """A read's ``result`` as a :class:`.stored.StoredBatch`: its group fields are frame
+        refs (``id + 1``, 0 for a zero frame: see :meth:`.fifo.Fifo.stored_reads`), each
+        group's distinct frames go in one table (as stored: a compressed group's blobs are
+        not decompressed), the fields index it; other arrays stay as they are."""
+        batch = StoredBatch({name: array for name, array in result.items()
+                             if name not in self.group_of})
+        for i, group in enumerate(self.groups):
+            names = [name for name in group.fields if name in result]
+            if not names:
+                continue
+            flat = [result[name].reshape(-1) for name in names]
+            wanted, inverse = np.unique(np.concatenate(flat), return_inverse=True)
+            if len(wanted) and wanted[0] == 0:  # zero frames: index -1
+                wanted, inverse = wanted[1:], inverse - 1
+            wanted = wanted - 1
+            ring = self.rings[i]
+            if isinstance(ring, Arena):
+                data, lens = ring.blobs(wanted)
+                batch.tables[group.source] = FrameTable(
+                    group.codec[0] if group.codec else None, data=data,
+                    lens=lens.astype(LEN_DTYPE, copy=False))
+            else:
+                batch.tables[group.source] = FrameTable(
+                    None, frames=ring.frames.take(np.remainder(wanted, ring.capacity), axis=0))
+            at = 0
+            for name, part in zip(names, flat):
+                refs = result[name]
+                batch.refs[name] = (group.source, group.axis,
+                                    inverse[at:at + len(part)].astype(INDEX_DTYPE)
+                                    .reshape(refs.shape))
+                at += len(part)
+        return batch
 
     def live_frames(self, first: int, pushed: int) -> list[int]:
         """Frames each ring holds for the live records (``tail - head``)."""

@@ -195,8 +195,10 @@ class AioTransport:
         request = grpc_calls.sample_request(buffer, batch_size, seed, timeout, filter_meta)
         small = batch_size * schema.record_nbytes <= STREAMED_MAX_BYTES
         columns = grpc_calls.reply_columns(await self.invoke("Sample", request, deadline, small))
-        return replies.columns(columns, grpc_calls.sample_specs(schema, batch_size, extras),
-                               f"sample({batch_size})", self.address)
+        what = f"sample({batch_size})"
+        return replies.columns(replies.rebuilt(columns, schema, what, self.address),
+                               grpc_calls.sample_specs(schema, batch_size, extras), what,
+                               self.address)
 
     async def sample_n_step(self, buffer: str, config: BufferConfig, batch_size: int,
                             filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
@@ -204,8 +206,9 @@ class AioTransport:
         request = grpc_calls.sample_request(buffer, batch_size, params["seed"], timeout,
                                             filter_meta, params["n_step"], params["gamma"])
         columns = grpc_calls.reply_columns(await self.invoke("Sample", request, deadline))
-        return replies.columns(columns, n_step_specs(config, batch_size),
-                               f"sample({batch_size}, n_step={params['n_step']})", self.address)
+        what = f"sample({batch_size}, n_step={params['n_step']})"
+        return replies.columns(replies.rebuilt(columns, config.schema, what, self.address),
+                               n_step_specs(config, batch_size), what, self.address)
 
     async def sample_sequences(self, buffer: str, config: BufferConfig, batch_size: int,
                                filter_meta: dict[str, np.ndarray] | None,
@@ -214,8 +217,9 @@ class AioTransport:
         request = grpc_calls.sequences_request(buffer, batch_size, filter_meta, params, timeout)
         columns = grpc_calls.reply_columns(await self.invoke(
             "SampleSequences", request.SerializeToString(), deadline))
-        return replies.columns(columns, sequence_specs(config, batch_size, params["seq_len"]),
-                               f"sample_sequences({batch_size}, {params['seq_len']})",
+        what = f"sample_sequences({batch_size}, {params['seq_len']})"
+        return replies.columns(replies.rebuilt(columns, config.schema, what, self.address),
+                               sequence_specs(config, batch_size, params["seq_len"]), what,
                                self.address)
 
     async def sample_episodes(self, buffer: str, config: BufferConfig, batch_size: int,

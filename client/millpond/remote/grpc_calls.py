@@ -73,7 +73,7 @@ def sample_request(buffer: str, batch_size: int, seed: int | None, timeout: floa
     if seed is None and filter_meta is None and n_step is None:  # a learner's usual call
         return plain_sample_request(buffer, batch_size, timeout)
     request = pb.SampleRequest(name=buffer, batch_size=batch_size, seed=seed, timeout=timeout,
-                               filter_meta=encode_meta(filter_meta))
+                               filter_meta=encode_meta(filter_meta), stored_form=True)
     if n_step is not None:
         request.n_step, request.gamma = n_step, gamma
     return request.SerializeToString()
@@ -83,8 +83,8 @@ def sample_request(buffer: str, batch_size: int, seed: int | None, timeout: floa
 def plain_sample_request(buffer: str, batch_size: int, timeout: float) -> bytes:
     """A serialized SampleRequest without seed or filter (building one costs a cold
     client some 10 us a call)."""
-    return pb.SampleRequest(name=buffer, batch_size=batch_size, timeout=timeout
-                            ).SerializeToString()
+    return pb.SampleRequest(name=buffer, batch_size=batch_size, timeout=timeout,
+                            stored_form=True).SerializeToString()
 
 
 @functools.lru_cache(maxsize=256)
@@ -99,7 +99,7 @@ def sequences_request(buffer: str, batch_size: int, filter_meta: dict[str, np.nd
                       params: dict[str, Any], timeout: float) -> pb.SampleSequencesRequest:
     return pb.SampleSequencesRequest(
         name=buffer, batch_size=batch_size, seq_len=params["seq_len"], seed=params["seed"],
-        timeout=timeout, filter_meta=encode_meta(filter_meta))
+        timeout=timeout, filter_meta=encode_meta(filter_meta), stored_form=True)
 
 
 def episodes_request(buffer: str, batch_size: int, filter_meta: dict[str, np.ndarray] | None,

@@ -241,12 +241,13 @@ class GrpcTransport:
             request = _plain_sample_request(buffer, batch_size, timeout)
         else:
             request = pb.SampleRequest(name=buffer, batch_size=batch_size, seed=seed,
-                                       timeout=timeout, filter_meta=encode_meta(filter_meta)
-                                       ).SerializeToString()
+                                       timeout=timeout, filter_meta=encode_meta(filter_meta),
+                                       stored_form=True).SerializeToString()
         small = batch_size * schema.record_nbytes <= STREAMED_MAX_BYTES
         columns = self._columns(self.invoke(self._sample, request, deadline, small))
-        return self._checked(columns, _sample_specs(schema, batch_size, extras),
-                             f"sample({batch_size})")
+        what = f"sample({batch_size})"
+        return self._checked(replies.rebuilt(columns, schema, what, self.address),
+                             _sample_specs(schema, batch_size, extras), what)
 
     def _checked(self, columns: dict[str, np.ndarray], specs: Spec, what: str
                  ) -> dict[str, np.ndarray]:
@@ -266,16 +267,18 @@ class GrpcTransport:
         request = grpc_calls.sample_request(buffer, batch_size, params["seed"], timeout,
                                             filter_meta, params["n_step"], params["gamma"])
         columns = self._columns(self.invoke(self._sample, request, deadline))
-        return self._checked(columns, n_step_specs(config, batch_size),
-                             f"sample({batch_size}, n_step={params['n_step']})")
+        what = f"sample({batch_size}, n_step={params['n_step']})"
+        return self._checked(replies.rebuilt(columns, config.schema, what, self.address),
+                             n_step_specs(config, batch_size), what)
 
     def sample_sequences(self, buffer: str, config: BufferConfig, batch_size: int,
                          filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],
                          timeout: float, deadline: float) -> dict[str, np.ndarray]:
         request = grpc_calls.sequences_request(buffer, batch_size, filter_meta, params, timeout)
         columns = self._columns(self.invoke(self._bytes["SampleSequences"], request, deadline))
-        return self._checked(columns, sequence_specs(config, batch_size, params["seq_len"]),
-                             f"sample_sequences({batch_size}, {params['seq_len']})")
+        what = f"sample_sequences({batch_size}, {params['seq_len']})"
+        return self._checked(replies.rebuilt(columns, config.schema, what, self.address),
+                             sequence_specs(config, batch_size, params["seq_len"]), what)
 
     def sample_episodes(self, buffer: str, config: BufferConfig, batch_size: int,
                         filter_meta: dict[str, np.ndarray] | None, params: dict[str, Any],

@@ -14,6 +14,8 @@ checks its own replies in one place (:meth:`ShmSession._reply
   :mod:`millpond.core.sequences` describes them; episodes (:func:`episodes`) no
   wider than the buffer, a catalog (:func:`catalog`) whose lengths add up to its
   records;
+* samples sent in the stored form (:func:`rebuilt`): rebuilt, every index, length,
+  codec and decompressed size checked first, then checked as columns;
 * a BufferInfo (:func:`info`): counts that are possible; a Create's (:func:`created`)
   with the config asked for;
 * a push of ``n`` records answers ``(size, pushed)`` after it:
@@ -39,7 +41,9 @@ import numpy as np
 
 from millpond.core.config import BufferConfig
 from millpond.core.info import BufferInfo
+from millpond.core.schema import Schema
 from millpond.core.sequences import Spec, catalog_specs, episode_specs
+from millpond.core.stored import StoredBatch, StoredFormError
 from millpond.errors import ProtocolError
 
 
@@ -90,6 +94,21 @@ def columns(columns: dict[str, np.ndarray], specs: Spec, what: str, server: str
             raise refused(server, what, f"{name} {column.dtype}"
                           f"{list(column.shape)}, not {np.dtype(dtype)}{list(shape)}")
     return columns
+
+
+def rebuilt(found: dict[str, np.ndarray], schema: Schema, what: str, server: str
+            ) -> dict[str, np.ndarray]:
+    """The arrays of a sample reply: ``found`` itself if plain, else the arrays rebuilt
+    from its stored form (:class:`millpond.core.stored.StoredBatch`: distinct frames
+    once, indices into them), every index, length, codec and decompressed size
+    checked: ProtocolError if any does not fit. The result is for :func:`columns` to
+    check like any reply."""
+    try:
+        batch = StoredBatch.from_columns(found)
+        return found if batch is None else batch.rebuild(schema)
+    except StoredFormError as exc:
+        raise refused(server, what, f"a stored-form sample that cannot be rebuilt: {exc}"
+                      ) from None
 
 
 def episodes(found: dict[str, np.ndarray], config: BufferConfig, batch_size: int,

@@ -164,7 +164,7 @@ class PushReply(_message.Message):
     def __init__(self, size: _Optional[int] = ..., pushed: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("name", "batch_size", "seed", "timeout", "filter_meta", "n_step", "gamma")
+    __slots__ = ("name", "batch_size", "seed", "timeout", "filter_meta", "n_step", "gamma", "stored_form")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class SampleRequest(_message.Message):
     FILTER_META_FIELD_NUMBER: _ClassVar[int]
     N_STEP_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
+    STORED_FORM_FIELD_NUMBER: _ClassVar[int]
     name: str
     batch_size: int
     seed: int
@@ -179,7 +180,8 @@ class SampleRequest(_message.Message):
     filter_meta: Batch
     n_step: int
     gamma: float
-    def __init__(self, name: _Optional[str] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., timeout: _Optional[float] = ..., filter_meta: _Optional[_Union[Batch, _Mapping]] = ..., n_step: _Optional[int] = ..., gamma: _Optional[float] = ...) -> None: ...
+    stored_form: bool
+    def __init__(self, name: _Optional[str] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., timeout: _Optional[float] = ..., filter_meta: _Optional[_Union[Batch, _Mapping]] = ..., n_step: _Optional[int] = ..., gamma: _Optional[float] = ..., stored_form: _Optional[bool] = ...) -> None: ...
 
 class SampleReply(_message.Message):
     __slots__ = ("batch",)
@@ -358,20 +360,22 @@ class UpdateEpisodesReply(_message.Message):
     def __init__(self) -> None: ...
 
 class SampleSequencesRequest(_message.Message):
-    __slots__ = ("name", "batch_size", "seq_len", "seed", "timeout", "filter_meta")
+    __slots__ = ("name", "batch_size", "seq_len", "seed", "timeout", "filter_meta", "stored_form")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     FILTER_META_FIELD_NUMBER: _ClassVar[int]
+    STORED_FORM_FIELD_NUMBER: _ClassVar[int]
     name: str
     batch_size: int
     seq_len: int
     seed: int
     timeout: float
     filter_meta: Batch
-    def __init__(self, name: _Optional[str] = ..., batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., timeout: _Optional[float] = ..., filter_meta: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+    stored_form: bool
+    def __init__(self, name: _Optional[str] = ..., batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., timeout: _Optional[float] = ..., filter_meta: _Optional[_Union[Batch, _Mapping]] = ..., stored_form: _Optional[bool] = ...) -> None: ...
 
 class SampleEpisodesRequest(_message.Message):
     __slots__ = ("name", "batch_size", "seed", "timeout", "filter_meta", "max_len")

@@ -1,0 +1,372 @@
+"""A sample in the stored form: the distinct frames once, and where each value takes them.
+
+A buffer with frame groups (``frame_stack``, ``next_of``, ``compression``: see
+:mod:`.frames`) stores each frame once and refers to it from its records by id. A
+sample of ``m`` stacked records of ``k`` frames refers to ``m * k`` frames (twice that
+with ``next_obs``), but to far fewer *distinct* ones: consecutive records share ``k - 1``
+of them, ``next_obs`` shares every frame with the next ``obs``, an R2D2 sequence of
+stacked frames has about one new frame per step. :class:`StoredBatch` is that sample as
+the buffer holds it (:meth:`TieredBuffer.sample_stored
+<millpond.core.buffer.TieredBuffer.sample_stored>` draws it exactly as the plain call
+with the same seed draws its arrays):
+
+* ``columns``: the fields outside the frame groups, and the call's other arrays
+  (``weights``, ``indices``, ``mask``, ...), as the plain call returns them;
+* ``tables``, one per group drawn: its distinct frames, either plain
+  (``frames[u, *frame_shape]``) or, for a compressed group, as stored: the blobs one after
+  the other (``data``, uint8) with their lengths (``lens``, uint32; a blob of exactly the
+  frame's bytes is raw, anything shorter compressed with ``codec``, see :mod:`.arena`);
+* ``refs``: per group field, the group's source, the stack axis (None: a value is one
+  frame) and ``int32[*lead, k]`` indices into the table, ``-1`` for a zero frame (the
+  padding of a sequence past its episode's end).
+
+:meth:`StoredBatch.rebuild` gives the arrays of the plain call, exactly. It trusts
+nothing it is given: every index in range, every blob length in ``[1, frame bytes]``
+and adding up, each decompressed frame exactly the frame's bytes, codecs known,
+shapes and dtypes those of the schema; anything else is :class:`StoredFormError` (a
+client turns it into ``ProtocolError`` naming the server). Compressed tables
+decompress on a few threads when they are large enough to pay (see
+:data:`PARALLEL_FRAMES`).
+
+**Who sends it.** The daemon, over gRPC, to a client that asks (``stored_form`` in
+``SampleRequest`` and ``SampleSequencesRequest``; an older client does not, and gets
+plain arrays; a newer client talking to an older daemon gets plain arrays too, and takes
+them as they are): ``sample`` (uniform, prioritized, n-step) and ``sample_sequences`` of
+buffers with frame groups that draw (a queue's or a stack's samples remove records, and
+keep the plain path and its delivery rules), whenever the stored form is the smaller
+(frames of a few bytes cost more in indices than they save). ``sample_episodes`` (sized
+by its draw), ``read`` and catalogs stay plain: they are not a learner's steady call. Over
+shared memory the arrays stay plain too: there the daemon gathers a sample straight into
+the client's segment, one copy, and the stored form would move the same decompression and
+one copy of the arrays to the client, measured no faster (0.3-0.9x in-process, see
+``shm_choice`` in bench/bench_pixels.py).
+
+**On the wire** (:meth:`StoredBatch.to_columns`, :meth:`StoredBatch.from_columns`) the
+form is plain columns with reserved names (field names are identifiers, so a name
+starting with ``@`` is never a field's): ``@frames:<source>`` (a plain table),
+``@<codec>:<source>`` with ``@lens:<source>`` (a compressed one), and
+``@ids:<field>:<source>:<axis or ->`` (the indices). So the reply framing, size
+limits and parsing of samples carry it unchanged, and a reply without such names is
+a plain one (an older daemon's).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from millpond.core.codecs import CODECS, Codec
+from millpond.core.schema import Schema
+
+INDEX_DTYPE = np.dtype("<i4")
+LEN_DTYPE = np.dtype("<u4")
+PREFIX = "@"
+# A compressed table is decompressed on two threads (a half each) when it has at least this
+# many frames: both codecs release the GIL while they work, but an 84x84 frame takes 1-3 us
+# and a handoff about as much. Measured on the 2-core development machine (Atari frames):
+# sample(256) of 430-850 distinct frames rebuilt on two threads at 0.9-1.1x of one
+# (bench/bench_pixels.py prints it); 850 zstd frames, decompressed in one GIL-free call per
+# thread (see _zstd_many), at 0.9x; 2,700 frames at 1.27x with zstd (a call per frame) and
+# 1.0x with lz4.
+PARALLEL_FRAMES = int(os.environ.get("MILLPOND_REBUILD_PARALLEL_FRAMES", 0)) or 2048
+THREADS = 2
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_CODECS: dict[str, Codec] = {}
+
+
+class StoredFormError(ValueError):
+    """A stored-form batch that cannot be what it claims (see the module doc)."""
+
+
+@dataclass
+class FrameTable:
+    """One group's distinct frames of a sample: ``frames`` (plain), or ``data`` and
+    ``lens`` compressed with ``codec``."""
+
+    codec: str | None
+    frames: np.ndarray | None = None
+    data: np.ndarray | None = None
+    lens: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        if self.frames is not None:
+            return len(self.frames)
+        assert self.lens is not None
+        return len(self.lens)
+
+    @property
+    def nbytes(self) -> int:
+        if self.frames is not None:
+            return self.frames.nbytes
+        assert self.data is not None and self.lens is not None
+        return self.data.nbytes + self.lens.nbytes
+
+
+@dataclass
+class StoredBatch:
+    """A sample in the stored form (see the module doc)."""
+
+    columns: dict[str, np.ndarray]
+    tables: dict[str, FrameTable] = field(default_factory=dict)
+    refs: dict[str, tuple[str, int | None, np.ndarray]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its arrays (what crosses a wire)."""
+        return (sum(a.nbytes for a in self.columns.values())
+                + sum(t.nbytes for t in self.tables.values())
+                + sum(ids.nbytes for _, _, ids in self.refs.values()))
+
+    # ---- the wire form ---------------------------------------------------------------
+
+    def to_columns(self) -> dict[str, np.ndarray]:
+        """The batch as columns (see the module doc), the reserved ones first."""
+        out: dict[str, np.ndarray] = {}
+        for source, table in self.tables.items():
+            if table.codec is None:
+                assert table.frames is not None
+                out[f"{PREFIX}frames:{source}"] = table.frames
+            else:
+                assert table.data is not None and table.lens is not None
+                out[f"{PREFIX}{table.codec}:{source}"] = table.data
+                out[f"{PREFIX}lens:{source}"] = table.lens
+        for name, (source, axis, ids) in self.refs.items():
+            out[f"{PREFIX}ids:{name}:{source}:{'-' if axis is None else axis}"] = ids
+        return {**out, **self.columns}
+
+    @classmethod
+    def from_columns(cls, columns: Mapping[str, np.ndarray]) -> "StoredBatch | None":
+        """The batch of :meth:`to_columns`' columns; None if none is reserved (a plain
+        reply). StoredFormError for reserved names that do not parse."""
+        if not any(name.startswith(PREFIX) for name in columns):
+            return None
+        batch = cls({})
+        blobs: dict[str, tuple[str, np.ndarray]] = {}
+        lens: dict[str, np.ndarray] = {}
+        for name, array in columns.items():
+            if not name.startswith(PREFIX):
+                batch.columns[name] = array
+                continue
+            kind, _, rest = name[len(PREFIX):].partition(":")
+            if kind == "ids":
+                parts = rest.split(":")
+                if len(parts) != 3 or not parts[0] or not parts[1]:
+                    raise StoredFormError(f"a column named {name!r}")
+                axis: int | None = None
+                if parts[2] != "-":
+                    if not parts[2].isdigit() or len(parts[2]) > 2:
+                        raise StoredFormError(f"a column named {name!r}")
+                    axis = int(parts[2])
+                if parts[0] in batch.refs:
+                    raise StoredFormError(f"two index columns for {parts[0]!r}")
+                batch.refs[parts[0]] = (parts[1], axis, array)
+            elif kind == "frames" and rest:
+                batch.tables[rest] = FrameTable(None, frames=array)
+            elif kind in CODECS and rest:
+                blobs[rest] = (kind, array)
+            elif kind == "lens" and rest:
+                lens[rest] = array
+            else:
+                raise StoredFormError(f"a column named {name!r} (unknown kind {kind!r})")
+        if set(blobs) != set(lens) or set(blobs) & set(batch.tables):
+            raise StoredFormError(f"compressed tables {sorted(blobs)} with lengths for "
+                                  f"{sorted(lens)} and plain tables {sorted(batch.tables)}")
+        for source, (codec_name, data) in blobs.items():
+            batch.tables[source] = FrameTable(codec_name, data=data, lens=lens[source])
+        return batch
+
+    # ---- rebuilding ------------------------------------------------------------------
+
+    def rebuild(self, schema: Schema) -> dict[str, np.ndarray]:
+        """The arrays of the plain call: each referring field gathered from its group's
+        decoded table, the other columns as they are. StoredFormError if anything does not
+        fit (see the module doc); the result's names, dtypes and shapes are for the
+        caller to check against what it asked for."""
+        decoded: dict[str, np.ndarray] = {}
+        out = dict(self.columns)
+        for name, (source, axis, ids) in self.refs.items():
+            if name in out or name not in schema.names:
+                raise StoredFormError(f"indices for {name!r}, not a field of the buffer "
+                                      "(or sent twice)")
+            spec = schema[name]
+            if ids.dtype != INDEX_DTYPE or ids.ndim < 2:
+                raise StoredFormError(f"indices for {name!r} of {ids.dtype}{list(ids.shape)}")
+            k = ids.shape[-1]
+            if axis is None:
+                frame_shape = spec.shape
+                if k != 1:
+                    raise StoredFormError(f"{k} frames per value of {name!r}, not stacked")
+            else:
+                if not 0 <= axis < len(spec.shape) or spec.shape[axis] != k:
+                    raise StoredFormError(f"{name!r} stacked on axis {axis} by {k}, "
+                                          f"but it is {list(spec.shape)}")
+                frame_shape = spec.shape[:axis] + spec.shape[axis + 1:]
+            table = self.tables.get(source)
+            if table is None:
+                raise StoredFormError(f"indices for {name!r} into a table {source!r} not sent")
+            frames = decoded.get(source)
+            if frames is None:
+                frames = decoded[source] = _decode(source, table, spec.dtype, frame_shape)
+            elif frames.dtype != spec.dtype or frames.shape[1:] != frame_shape:
+                raise StoredFormError(f"{name!r} and another field of table {source!r} have "
+                                      "different frames")
+            if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= len(frames)):
+                raise StoredFormError(f"indices for {name!r} outside [-1, {len(frames)})")
+            out[name] = _gather(frames, ids, axis)
+        unused = set(self.tables) - {source for source, _, _ in self.refs.values()}
+        if unused:
+            raise StoredFormError(f"tables {sorted(unused)} no field refers to")
+        return out
+
+
+def _decode(source: str, table: FrameTable, dtype: np.dtype, frame_shape: tuple[int, ...]
+            ) -> np.ndarray:
+    """The frames of ``table`` as ``[u, *frame_shape]`` of ``dtype``, checked."""
+    nbytes = math.prod(frame_shape) * dtype.itemsize
+    if table.codec is None:
+        frames = table.frames
+        assert frames is not None
+        if frames.dtype != dtype or frames.shape[1:] != frame_shape or frames.ndim < 1:
+            raise StoredFormError(f"table {source!r} of {frames.dtype}{list(frames.shape)}, "
+                                  f"not of {dtype}{list(frame_shape)} frames")
+        return frames
+    data, lens = table.data, table.lens
+    assert data is not None and lens is not None
+    if data.dtype != np.uint8 or data.ndim != 1 or lens.dtype != LEN_DTYPE or lens.ndim != 1:
+        raise StoredFormError(f"compressed table {source!r} of {data.dtype}{list(data.shape)} "
+                              f"with lengths {lens.dtype}{list(lens.shape)}")
+    n = len(lens)
+    if n and (int(lens.min()) < 1 or int(lens.max()) > nbytes):
+        raise StoredFormError(f"compressed table {source!r}: a blob length outside "
+                              f"[1, {nbytes}]")
+    ends = np.cumsum(lens, dtype=np.int64)
+    if (int(ends[-1]) if n else 0) != len(data):
+        raise StoredFormError(f"compressed table {source!r}: blob lengths adding up to "
+                              f"{int(ends[-1]) if n else 0:,}, not its {len(data):,} bytes")
+    codec = _codec(table.codec)
+    starts = (ends - lens).tolist()
+    lengths = lens.tolist()
+    view = memoryview(np.ascontiguousarray(data).data)
+    if table.codec == "zstd":
+        _check_zstd_sizes(source, view, starts, lengths, nbytes)
+
+    many = _zstd_many if table.codec == "zstd" else codec.decompress_many
+
+    def run(lo: int, hi: int) -> list:
+        try:
+            parts = many(view, starts[lo:hi], lengths[lo:hi], nbytes)
+        except Exception as exc:  # lz4/zstd errors: data that is not a blob
+            raise StoredFormError(f"compressed table {source!r}: a blob that does not "
+                                  f"decompress ({type(exc).__name__}: {exc})") from None
+        return parts
+
+    if n < PARALLEL_FRAMES:
+        parts = run(0, n)
+    else:
+        half = n // 2
+        future = _pool().submit(run, half, n)
+        parts = run(0, half)
+        parts += future.result()
+    whole = b"".join(parts)
+    # Neither codec writes past the size it is given (lz4's uncompressed_size, zstd's
+    # max_output_size), and raw blobs are exactly it: so no part is longer than a frame,
+    # and the whole is n frames only if every part is one.
+    if len(whole) != n * nbytes:
+        wrong = next(len(part) for part in parts if len(part) != nbytes)
+        raise StoredFormError(f"compressed table {source!r}: a blob decompressing to "
+                              f"{wrong:,} bytes, not {nbytes:,}")
+    return np.frombuffer(whole, dtype).reshape((n, *frame_shape))
+
+
+def _zstd_many(view: memoryview, starts: list[int], lengths: list[int], nbytes: int) -> list:
+    """zstd blobs ``view[start:start + length]`` decompressed (those of ``nbytes`` raw: as
+    they are), each exactly ``nbytes`` or ZstdError: python-zstandard's
+    ``multi_decompress_to_buffer``, one C call with the GIL released (measured 1.5x faster
+    than a call per blob on 850 Atari frames, which also takes the GIL back each time)."""
+    import zstandard
+
+    at = np.asarray(starts, np.uint64)
+    size = np.asarray(lengths, np.uint64)
+    packed = size != nbytes
+    segments = np.stack([at[packed], size[packed]], axis=1)
+    count = int(packed.sum())
+    out: list = [view[a:a + n] for a, n in zip(starts, lengths)] if count < len(size) else []
+    if count:
+        found = _zstd_decompressor().multi_decompress_to_buffer(
+            zstandard.BufferWithSegments(view, segments.tobytes()),
+            decompressed_sizes=np.full(count, nbytes, np.uint64).tobytes())
+        if not out:
+            return [found[j] for j in range(count)]
+        for j, i in enumerate(np.flatnonzero(packed).tolist()):
+            out[i] = found[j]
+    return out
+
+
+_LOCAL = threading.local()
+
+
+def _zstd_decompressor() -> Any:
+    """This thread's decompressor (they are not thread-safe)."""
+    d = getattr(_LOCAL, "zstd", None)
+    if d is None:
+        import zstandard
+        d = _LOCAL.zstd = zstandard.ZstdDecompressor()
+    return d
+
+
+def _check_zstd_sizes(source: str, view: memoryview, starts: list[int], lengths: list[int],
+                      nbytes: int) -> None:
+    """Every compressed zstd blob's header says ``nbytes`` (ours always carry the size):
+    zstd decompresses to the size a frame's header gives, whatever ``max_output_size``
+    says, so a blob of a few KB could otherwise make a reader allocate gigabytes."""
+    import zstandard
+
+    try:
+        for at, n in zip(starts, lengths):
+            if n != nbytes and zstandard.frame_content_size(view[at:at + n]) != nbytes:
+                raise StoredFormError(f"compressed table {source!r}: a zstd blob whose header "
+                                      f"does not give the frame's {nbytes:,} bytes")
+    except zstandard.ZstdError as exc:
+        raise StoredFormError(f"compressed table {source!r}: a blob that is not a zstd frame "
+                              f"({exc})") from None
+
+
+def _gather(frames: np.ndarray, ids: np.ndarray, axis: int | None) -> np.ndarray:
+    """Values ``[*lead, *shape]`` of frames ``ids`` (``[*lead, k]``), ``-1`` zero."""
+    lead, k = ids.shape[:-1], ids.shape[-1]
+    zero = ids < 0
+    if zero.any():  # a zero frame at the table's end
+        frames = np.concatenate([frames, np.zeros((1, *frames.shape[1:]), frames.dtype)])
+        ids = np.where(zero, len(frames) - 1, ids)
+    taken = frames.take(ids.reshape(-1), axis=0).reshape((*lead, k, *frames.shape[1:]))
+    if axis is None:
+        return taken.reshape((*lead, *frames.shape[1:]))
+    if axis == 0:
+        return taken
+    return np.ascontiguousarray(np.moveaxis(taken, len(lead), len(lead) + axis))
+
+
+def _codec(name: str) -> Codec:
+    codec = _CODECS.get(name)
+    if codec is None:
+        if name not in CODECS:
+            raise StoredFormError(f"unknown codec {name!r}")
+        codec = _CODECS[name] = Codec(name, 0 if name == "lz4" else 3)  # levels: compress only
+    return codec
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(
+                max_workers=THREADS - 1, thread_name_prefix="millpond-rebuild")
+        return _POOL
+
