@@ -25,8 +25,8 @@ megabytes, run on the engine pool.
 PushBatchStream and SampleStream carry PushBatch and Sample calls as the
 messages of one stream (:mod:`.streams`); each is served by the same handler.
 
-Checkpoint answers with a stream of progress messages (:func:`_rpc_stream`; the work is
-in :mod:`.backups`).
+Checkpoint answers with a stream of progress messages, written by its handler under the
+same :func:`_rpc` (the work is in :mod:`.backups`).
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ BULK_METHODS = frozenset({"Push", "PushBatch", "UpdatePriorities", "UpdateEpisod
 
 def _rpc(method: Callable) -> Callable:
     """The one error translator, and the readiness and request size checks, around an RPC
-    handler (the caller is authenticated and bounded before: :mod:`.edge`)."""
+    handler (the caller is authenticated and bounded before: :mod:`.edge`). A handler of an
+    RPC answered by a stream writes its messages with ``context.write`` and returns None;
+    a failure ends the stream with its status and code."""
 
     name = method.__name__
 
@@ -107,31 +109,6 @@ def _rpc(method: Callable) -> Callable:
             request = parse(raw) if len(raw) <= DECODE_ON_LOOP_BYTES else await self.ops.run(
                 parse, raw)  # decoding a large request would stall every other call
             return await method(self, request, context)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            error = self.ops.classify(exc, name)
-            status, code = status_for(error)
-            await context.abort(status, str(error), trailing_metadata=((ERROR_CODE_KEY, code),))
-
-    return handler
-
-
-def _rpc_stream(method: Callable) -> Callable:
-    """:func:`_rpc` for an RPC answered by a stream: the handler writes its messages with
-    ``context.write``; a failure ends the stream with its status and code."""
-
-    name = method.__name__
-
-    @functools.wraps(method)
-    async def handler(self: "ReplayService", raw: bytes, context: Context) -> None:
-        try:
-            self.ops.check_ready()
-            if len(raw) > CONTROL_REQUEST_BYTES:
-                raise MessageTooLargeError(
-                    f"a {name} request of {len(raw):,} bytes; it may have at most "
-                    f"{CONTROL_REQUEST_BYTES:,}")
-            await method(self, _REQUESTS[name](raw), context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:
@@ -532,7 +509,7 @@ class ReplayService:
         info, dropped, repaired = await self.ops.run(self.ops.repair, check_name(request.name))
         return pb.RepairReply(info=info_to_proto(info), dropped=dropped, repaired=repaired)
 
-    @_rpc_stream
+    @_rpc
     async def Checkpoint(self, request: pb.CheckpointRequest, context: Context) -> None:
         name = check_name(request.name)
 
