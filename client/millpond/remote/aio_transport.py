@@ -139,18 +139,12 @@ class AioTransport:
         ServerUnavailableError."""
         loop = asyncio.get_running_loop()
         fail_fast = not self.wait_for_server
-        patience = grpc_calls.FAIL_FAST_S if fail_fast else grpc_calls.NOTICE_S
-        patience = max(0.0, min(patience, end - loop.time()))
+        patience = grpc_calls.patience(fail_fast, end - loop.time())
         cause = grpc_calls.probe_cause(await self._probe(patience, wait=not fail_fast))
         if cause is not None and not fail_fast:  # what the channel saw, said plainly
             cause = grpc_calls.probe_cause(await self._probe(0.2, wait=False))
-        if cause is None:  # answered
-            self._reached, self._episodes.told = True, False
-        elif fail_fast:
-            raise grpc_calls.unavailable(self.address or "?", cause)
-        elif not self._episodes.told:
-            self._episodes.told = True
-            grpc_calls.waiting_notice(self.address or "?", cause, end - loop.time())
+        self._reached = grpc_calls.settle_reach(cause, self._episodes, self.address, fail_fast,
+                                                end - loop.time())
 
     async def _probe(self, timeout: float = 0.2, wait: bool = False) -> grpc.RpcError | None:
         """A health check, as the sync transport's: its error, or None if answered."""

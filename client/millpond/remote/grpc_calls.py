@@ -168,6 +168,30 @@ class Episodes:
         self.told = False
 
 
+def patience(fail_fast: bool, left: float) -> float:
+    """How long a call's first health check may wait for its channel (``left``: the
+    call's time left): NOTICE_S before it tells what it waits for, FAIL_FAST_S before it
+    gives up (``fail_fast``: ``wait_for_server=False``)."""
+    return max(0.0, min(FAIL_FAST_S if fail_fast else NOTICE_S, left))
+
+
+def settle_reach(cause: str | None, episodes: Episodes, address: str, fail_fast: bool,
+                 left: float) -> bool:
+    """Whether the server was reached, given why the health checks before a call did not
+    reach it (``cause``; None: answered). Not reached: ServerUnavailableError when failing
+    fast, else the waiting notice, once per episode of unreachability (``left``: the
+    call's time left)."""
+    if cause is None:
+        episodes.told = False
+        return True
+    if fail_fast:
+        raise unavailable(address or "?", cause)
+    if not episodes.told:
+        episodes.told = True
+        waiting_notice(address or "?", cause, left)
+    return False
+
+
 def waiting_notice(address: str, cause: str, left: float) -> None:
     """Log what a call that waits for the server at ``address`` waits for (once per
     episode of unreachability: :class:`Episodes`)."""

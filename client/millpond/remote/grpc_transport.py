@@ -170,18 +170,12 @@ class GrpcTransport:
         channel's connectivity callbacks: those run a polling thread that can hang a
         process at exit."""
         fail_fast = not self.wait_for_server
-        patience = grpc_calls.FAIL_FAST_S if fail_fast else grpc_calls.NOTICE_S
-        patience = max(0.0, min(patience, end - time.monotonic()))
+        patience = grpc_calls.patience(fail_fast, end - time.monotonic())
         cause = grpc_calls.probe_cause(self._probe(patience, wait=not fail_fast))
         if cause is not None and not fail_fast:  # what the channel saw, said plainly
             cause = grpc_calls.probe_cause(self._probe(0.2, wait=False))
-        if cause is None:  # answered
-            self._reached, self._episodes.told = True, False
-        elif fail_fast:
-            raise grpc_calls.unavailable(self.address or "?", cause)
-        elif not self._episodes.told:
-            self._episodes.told = True
-            grpc_calls.waiting_notice(self.address or "?", cause, end - time.monotonic())
+        self._reached = grpc_calls.settle_reach(cause, self._episodes, self.address, fail_fast,
+                                                end - time.monotonic())
 
     def _probe(self, timeout: float = 0.2, wait: bool = False) -> grpc.RpcError | None:
         """A health check (``wait``: waiting for the channel to connect, within
