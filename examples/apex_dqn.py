@@ -109,6 +109,23 @@ def save(net: nn.Module, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def update(net: nn.Module, target: nn.Module, opt: torch.optim.Optimizer, buf,
+           batch: dict, q: torch.Tensor, y: torch.Tensor, tau: float) -> None:
+    """One prioritized step: the importance-weighted Huber loss of ``q`` against the
+    targets ``y``, a clipped gradient step, the sampled records' new priorities (|TD
+    error|), and Polyak averaging of the target network."""
+    td = y - q
+    loss = (torch.from_numpy(batch["weights"])
+            * nn.functional.smooth_l1_loss(q, y, reduction="none")).mean()
+    opt.zero_grad()
+    loss.backward()
+    nn.utils.clip_grad_norm_(net.parameters(), 10.0)
+    opt.step()
+    buf.update_priorities(batch["indices"], td.abs().detach().numpy() + 1e-3)
+    for p, tp in zip(net.parameters(), target.parameters()):  # Polyak averaging
+        tp.data.mul_(1 - tau).add_(tau * p.data)
+
+
 def learn(buf, weights: str, returns, args) -> tuple[float, float, float]:
     """Train until the greedy mean return reaches ``args.target``; (first, best, seconds)."""
     net, target = q_network(), q_network()
@@ -131,17 +148,8 @@ def learn(buf, weights: str, returns, args) -> tuple[float, float, float]:
                 alive = 1.0 - torch.from_numpy(batch["terminated"]).float()
                 y = torch.from_numpy(batch["rewards"]) + discount * alive * bootstrap
             q = net(obs).gather(1, actions[:, None])[:, 0]
-            td = y - q
-            loss = (torch.from_numpy(batch["weights"])
-                    * nn.functional.smooth_l1_loss(q, y, reduction="none")).mean()
-            opt.zero_grad()
-            loss.backward()
-            nn.utils.clip_grad_norm_(net.parameters(), 10.0)
-            opt.step()
-            buf.update_priorities(batch["indices"], td.abs().detach().numpy() + 1e-3)
+            update(net, target, opt, buf, batch, q, y, args.tau)
             updates += 1
-            for p, tp in zip(net.parameters(), target.parameters()):  # Polyak averaging
-                tp.data.mul_(1 - args.tau).add_(args.tau * p.data)
             if updates % 20 == 0:
                 save(net, weights)
             while not returns.empty():

@@ -39,7 +39,7 @@ import gymnasium as gym  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from _server import millpond_server  # noqa: E402
-from apex_dqn import GAMMA, save  # noqa: E402
+from apex_dqn import GAMMA, save, update  # noqa: E402
 from torch import nn  # noqa: E402
 
 import millpond  # noqa: E402
@@ -129,17 +129,8 @@ def learn(buf, weights: str, returns, args) -> tuple[int, float]:
                 alive = 1.0 - torch.from_numpy(batch["terminated"]).float()
                 y = torch.from_numpy(batch["rewards"]) + GAMMA * alive * bootstrap
             q = q_values(net, batch["obs"]).gather(1, actions[:, None])[:, 0]
-            td = y - q
-            loss = (torch.from_numpy(batch["weights"])
-                    * nn.functional.smooth_l1_loss(q, y, reduction="none")).mean()
-            opt.zero_grad()
-            loss.backward()
-            nn.utils.clip_grad_norm_(net.parameters(), 10.0)
-            opt.step()
-            buf.update_priorities(batch["indices"], td.abs().detach().numpy() + 1e-3)
+            update(net, target, opt, buf, batch, q, y, args.tau)
             updates += 1
-            for p, tp in zip(net.parameters(), target.parameters()):  # Polyak averaging
-                tp.data.mul_(1 - args.tau).add_(args.tau * p.data)
             if updates % 20 == 0:
                 save(net, weights)
             while not returns.empty():
