@@ -37,6 +37,7 @@ from millpond.handle.buffer import (
     num_batches,
     priority_arguments,
     sample_arguments,
+    sampler_options,
     sequence_arguments,
 )
 from millpond.handle.devices import check_device, to_device
@@ -202,11 +203,7 @@ class AsyncBuffer(ConfigAccessors):
         With ``seed``, batch ``i`` equals ``await sample(batch_size, seed + i)``. Endless
         unless ``max_batches`` is given; close it (``await it.close()``, or ``async
         with``) when done. The other arguments are :meth:`sample`'s."""
-        check_device(device)
-        given = {"device": device, "n_step": n_step, "filter_meta": filter_meta}
-        options: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
-        if n_step is not None:
-            options["gamma"] = gamma
+        options = sampler_options(device, n_step, gamma, filter_meta)
         sample = functools.partial(self.sample, **options) if options else self.sample
         return AsyncSampler(sample, batch_size, prefetch=prefetch, seed=seed,
                             max_batches=max_batches)

@@ -214,11 +214,7 @@ class Buffer(ConfigAccessors):
         ``n_step``, ``gamma``, ``filter_meta``: as for :meth:`sample` (the
         prefetching threads make the tensors).
         """
-        check_device(device)
-        given = {"device": device, "n_step": n_step, "filter_meta": filter_meta}
-        options: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
-        if n_step is not None:
-            options["gamma"] = gamma
+        options = sampler_options(device, n_step, gamma, filter_meta)
         sample = functools.partial(self.sample, **options) if options else self.sample
         return Sampler(sample, batch_size, prefetch=prefetch, seed=seed, max_batches=max_batches)
 
@@ -604,6 +600,18 @@ def sample_arguments(config: BufferConfig, batch_size: Any, seed: Any, timeout: 
     if n_step is not None:
         n_step, gamma = check_n_step(config, n_step, gamma)
     return SampleArguments(batch_size, seed, timeout, wanted, n_step, gamma)
+
+
+def sampler_options(device: Any, n_step: int | None, gamma: float,
+                    filter_meta: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The keyword arguments a sampler passes to each ``sample`` call: those given
+    (``gamma`` with ``n_step`` only); ``device`` checked now, not in the first call."""
+    check_device(device)
+    given = {"device": device, "n_step": n_step, "filter_meta": filter_meta}
+    options: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
+    if n_step is not None:
+        options["gamma"] = gamma
+    return options
 
 
 class SequenceArguments(NamedTuple):
