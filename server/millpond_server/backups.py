@@ -45,7 +45,7 @@ from millpond.errors import (
 )
 
 from .declared import ConfigError
-from .registry import FILE_SUFFIX, _lock_directory, _probe, check_name
+from .registry import FILE_SUFFIX, _lock_directory, _probe, check_name, check_private
 
 if TYPE_CHECKING:
     from .operations import Operations
@@ -77,13 +77,7 @@ class BackupDir:
             raise ConfigError(f"--backup-dir {self.root}: {exc.strerror}") from None
         if not stat.S_ISDIR(st.st_mode):
             raise ConfigError(f"--backup-dir {self.root} is not a directory")
-        if st.st_uid != os.geteuid() and os.geteuid() != 0:
-            raise ConfigError(f"--backup-dir {self.root} belongs to uid {st.st_uid}, not to "
-                              f"this server's uid {os.geteuid()}")
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise ConfigError(
-                f"--backup-dir {self.root} is writable by other users (mode "
-                f"{stat.S_IMODE(st.st_mode):o}): they could plant links in it; chmod go-w it")
+        check_private(self.root, "--backup-dir", ConfigError, st)
         real = Path(os.path.realpath(self.root))
         if real == self.data_dir or self.data_dir in real.parents:
             raise ConfigError(
@@ -222,9 +216,7 @@ def restore(snapshot: str | os.PathLike, data_dir: str | os.PathLike, name: str 
         raise CorruptFileError(f"cannot restore {source}: {held.reason}")
     folder = Path(data_dir)
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    from .registry import _check_private
-
-    _check_private(folder)
+    check_private(folder)
     lock = _lock_directory(folder)
     try:
         dest = folder / f"{name}{FILE_SUFFIX}"

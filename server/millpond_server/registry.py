@@ -121,7 +121,7 @@ class Registry:
                  max_data_bytes: int | None = None):
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _check_private(self.data_dir)
+        check_private(self.data_dir)
         self._lock_fd = _lock_directory(self.data_dir)
         self.sync_every_push = sync_every_push
         self.skip_corrupt = skip_corrupt
@@ -547,17 +547,20 @@ def _damage(path: Path, buffer: TieredBuffer) -> str:
             f"their checks (seqs {seqs[:5].tolist()}{'...' if len(seqs) > 5 else ''})")
 
 
-def _check_private(data_dir: Path) -> None:
-    """Refuse a data directory other users may write to (or that is not ours)."""
-    st = data_dir.stat()
+def check_private(folder: Path, label: str = "data directory",
+                  error: type[Exception] = DataDirError, st: os.stat_result | None = None) -> None:
+    """Refuse a directory (``label`` names it in the error, of type ``error``) that is not
+    this server's or that other users may write to: they could plant files or links in
+    it. ``st``: its stat, if already made."""
+    st = folder.stat() if st is None else st
     if st.st_uid != os.geteuid() and os.geteuid() != 0:
-        raise DataDirError(f"data directory {data_dir} belongs to uid {st.st_uid}, "
-                           f"not to this server's uid {os.geteuid()}")
+        raise error(f"{label} {folder} belongs to uid {st.st_uid}, not to this server's "
+                    f"uid {os.geteuid()}")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise DataDirError(
-            f"data directory {data_dir} is writable by other users (mode "
-            f"{stat.S_IMODE(st.st_mode):o}): they could plant files in it; chmod go-w it "
-            "or use a private directory")
+        raise error(
+            f"{label} {folder} is writable by other users (mode "
+            f"{stat.S_IMODE(st.st_mode):o}): they could plant files or links in it; chmod "
+            "go-w it or use a private directory")
 
 
 def _lock_directory(data_dir: Path) -> int:
