@@ -360,10 +360,8 @@ def format_inspection(found: Any, limit: int | None = 20) -> str:
     what = "seq and checksum" if found.checksummed else "seq; cold only, no checksums: not persistent"
     bad = found.damaged
     if len(bad):
-        shown = bad.tolist() if limit is None else bad[:limit].tolist()
-        more = "" if len(shown) == len(bad) else f" ... (+{len(bad) - len(shown):,}; --all-seqs)"
         lines.append(f"DAMAGED   {len(bad):,} of {found.checked:,} records fail their {what} "
-                     f"check: seqs {', '.join(map(str, shown))}{more}")
+                     f"check: seqs {_listed(bad, limit)}")
     else:
         lines.append(f"checks    {found.checked:,} records checked ({what}): all pass")
     lines += _frame_lines(found, limit)
@@ -383,22 +381,25 @@ def _frame_lines(found: Any, limit: int | None) -> list[str]:
         lines.append(f"frames    {ring.source}: {stack}{nexts}; ring of {ring.capacity:,} "
                      f"frames {ring.dtype}[{shape}]")
         if len(ring.damaged):
-            shown = ring.damaged.tolist() if limit is None else ring.damaged[:limit].tolist()
-            more = ("" if len(shown) == len(ring.damaged)
-                    else f" ... (+{len(ring.damaged) - len(shown):,}; --all-seqs)")
             lines.append(f"DAMAGED   {len(ring.damaged):,} of {ring.referred:,} frames of "
                          f"{ring.source} fail their {check} check: frames "
-                         f"{', '.join(map(str, shown))}{more}")
+                         f"{_listed(ring.damaged, limit)}")
         else:
             lines.append(f"checks    {ring.referred:,} frames of {ring.source} the records refer "
                          f"to checked ({check}): all pass")
     bad = found.frame_damaged
     if len(bad):
-        shown = bad.tolist() if limit is None else bad[:limit].tolist()
-        more = "" if len(shown) == len(bad) else f" ... (+{len(bad) - len(shown):,}; --all-seqs)"
         lines.append(f"DAMAGED   {len(bad):,} records refer to a damaged frame (a reopen with "
-                     f"skip-corrupt leaves them out): seqs {', '.join(map(str, shown))}{more}")
+                     f"skip-corrupt leaves them out): seqs {_listed(bad, limit)}")
     return lines
+
+
+def _listed(values: Any, limit: int | None) -> str:
+    """``values`` (seqs or frame ids) as ``millpond inspect`` lists them: the first
+    ``limit`` (None: all), and how many more (``--all-seqs`` shows them)."""
+    shown = values.tolist() if limit is None else values[:limit].tolist()
+    more = "" if len(shown) == len(values) else f" ... (+{len(values) - len(shown):,}; --all-seqs)"
+    return ", ".join(map(str, shown)) + more
 
 
 if __name__ == "__main__":  # pragma: no cover
