@@ -307,6 +307,46 @@ def test_contents_match_a_model_of_episodes(seed, padding, writers, reset_p, cap
             np.testing.assert_array_equal(got["next_obs"][i], nxt)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), writers=st.integers(1, 5), k=st.integers(1, 4),
+       padding=st.sampled_from(["reset", "zero", "noise"]), reset_p=st.floats(0, 0.3),
+       pattern=st.sampled_from(["steps", "runs"]), capacity=st.integers(1, 40),
+       sizes=st.lists(st.integers(1, 12), min_size=1, max_size=20))
+def test_streams_stepping_together_or_in_runs_match_a_model(seed, writers, k, padding, reset_p,
+                                                           pattern, capacity, sizes):
+    """Pushes as vectorized environments make them (a step of every stream per push, some
+    streams skipping a step) or as actors do (a run of one stream's steps per push):
+    where records continue one another the ids follow without lookups, and the contents
+    are still exactly what was pushed."""
+    rng = np.random.default_rng(seed)
+    streams = [synthetic(rng, 60, k=k, shape=(2, 3), writers=1, padding=padding,
+                         reset_p=reset_p) for _ in range(writers)]
+    at = [0] * writers
+    buf = TieredBuffer(BufferConfig.build(capacity=capacity, fields=fields_of(
+        streams[0], ("obs", "next_obs")), **OPTIONS, frame_capacity=(capacity + 60) * 2 * k))
+    model: list[tuple[np.ndarray, np.ndarray]] = []
+    for size in sizes:
+        if pattern == "steps":  # a step of each stream, but those that skip it
+            rows = [(w, at[w]) for w in range(writers) if rng.random() < 0.9 and at[w] < 60]
+            for w, _ in rows:
+                at[w] += 1
+        else:
+            w = int(rng.integers(writers))
+            rows = [(w, t) for t in range(at[w], min(at[w] + size, 60))]
+            at[w] += len(rows)
+        if not rows:
+            continue
+        batch = {name: np.array([streams[w][name][t] for w, t in rows]).reshape(
+            (len(rows),) + streams[0][name].shape[1:]) for name in ("obs", "next_obs")}
+        buf.push_batch(batch)
+        model = (model + list(zip(batch["obs"], batch["next_obs"])))[-capacity:]
+        got = buf.contents()
+        assert len(got["obs"]) == len(model)
+        for i, (obs, nxt) in enumerate(model):
+            np.testing.assert_array_equal(got["obs"][i], obs)
+            np.testing.assert_array_equal(got["next_obs"][i], nxt)
+
+
 # ---- through a daemon ----------------------------------------------------------------------
 
 @pytest.mark.daemon

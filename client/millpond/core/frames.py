@@ -79,7 +79,7 @@ import collections
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Mapping, cast
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import numpy as np
 
@@ -357,21 +357,20 @@ class Ring:
         return cls(np.empty((capacity, *group.frame_shape), group.dtype),
                    np.full(capacity, -1, ID_DTYPE), None)
 
-    def write(self, first: int, frames: np.ndarray) -> None:
-        """Store frames with ids ``first, first + 1, ...`` (the frame, then its id and
-        checksum)."""
+    def write(self, first: int, frames: Sequence[np.ndarray]) -> None:
+        """Store frames with ids ``first, first + 1, ...`` (the frames, then their ids and
+        checksums)."""
         n, cap = len(frames), self.capacity
-        ids = np.arange(first, first + n, dtype=np.int64)
-        sums = (None if self.sums is None else
-                record_checksums({"frame": frames}, ids.astype(np.uint64)))
         done = 0
         while done < n:
             slot = (first + done) % cap
             k = min(n - done, cap - slot)
-            self.frames[slot:slot + k] = frames[done:done + k]
-            self.ids[slot:slot + k] = ids[done:done + k]
-            if sums is not None and self.sums is not None:
-                self.sums[slot:slot + k] = sums[done:done + k]
+            np.stack(frames[done:done + k], out=self.frames[slot:slot + k])  # (one copy)
+            ids = np.arange(first + done, first + done + k, dtype=np.int64)
+            self.ids[slot:slot + k] = ids
+            if self.sums is not None:
+                self.sums[slot:slot + k] = record_checksums({"frame": self.frames[slot:slot + k]},
+                                                            ids.astype(np.uint64))
             done += k
 
     def frame(self, frame_id: int) -> np.ndarray:
@@ -429,6 +428,32 @@ class _State:
             while mins and mins[-1][1] >= low:
                 mins.pop()
             mins.append((seq, low))
+
+
+class _Lookup:
+    """One push's lookups of frames by content in a group's ring: the id of an equal
+    frame among the recent ones (ids ``oldest`` on, whose bytes ``held(id)`` gives) or
+    among this push's new frames, else a new id, the frame appended to ``new``."""
+
+    def __init__(self, state: _State, oldest: int, held: Callable[[int], bytes | None]):
+        self.tail, self.recent, self.oldest, self.held = state.tail, state.recent, oldest, held
+        self.found: dict[int, int] = {}  # this push's new frames by fingerprint
+        self.new: list[tuple[np.ndarray, int]] = []
+
+    def id_of(self, key: int, frame: np.ndarray) -> int:
+        """The id of ``frame`` (``key``: its fingerprint)."""
+        hit = self.found.get(key)
+        if hit is None:
+            hit = self.recent.get(key)
+            if hit is not None and not self.oldest <= hit < self.tail:
+                hit = None
+        if hit is not None:
+            held = self.new[hit - self.tail][0].tobytes() if hit >= self.tail else self.held(hit)
+            if held == frame.tobytes():  # bytes compared: -0.0 is not 0.0, NaN is itself
+                return hit
+        self.found[key] = hit = self.tail + len(self.new)
+        self.new.append((frame, key))
+        return hit
 
 
 class Frames:
@@ -525,7 +550,7 @@ class Frames:
                     assert prepared is not None
                     ring.write(state.tail, prepared)
                 else:
-                    ring.write(state.tail, np.stack([frame for frame, _ in new]))
+                    ring.write(state.tail, [frame for frame, _ in new])
                 if self.groups[i].share:
                     for j, (_, key) in enumerate(new):
                         state.recent[key] = state.tail + j
@@ -573,7 +598,6 @@ class Frames:
                   else batch[name] if group.axis == 0  # (the stack axis already first)
                   else np.moveaxis(batch[name], 1 + group.axis, 1) for name in group.fields}
         words = {name: _words(value, n, k) for name, value in values.items()}
-        ids = {name: np.empty((n, k), np.int64) for name in group.fields}
         # 1. the predictions, checked in bulk: each row against the likelier one first
         src = words[source]
         shift = {t: _rows_equal(words[t][:, :-1], src[:, 1:]) if k > 1 else np.zeros(n, bool)
@@ -583,6 +607,10 @@ class Frames:
             mode = np.zeros(n, np.int8)  # (single frames without a next_of: nothing to predict)
         else:
             mode = self._modes(i, words, source, ahead, n, k, oldest)
+        likely = 2 if (mode == 2).sum() > (mode == 1).sum() else 1
+        if len(targets) == 1 and ahead is not None and (k == 1 or shift[ahead].all()):
+            ids, new = self._shifted(i, values, words, mode, oldest)
+            return ids, new, likely
         # 2. the frames looked up one by one, in record order: their fingerprints at once
         rest = 0 if ahead is not None else 1  # frames a predicted source still looks up
         needed = {source: np.repeat((mode == 0)[:, None], k, axis=1)}
@@ -592,9 +620,7 @@ class Frames:
             needed[t][:, -1] = True
         keys = {name: _fingerprint_grid(words[name], mask) for name, mask in needed.items()}
         # 3. the ids, record by record (lists: cheaper than rows of arrays here)
-        recent = state.recent
-        found: dict[int, int] = {}  # this push's new frames by fingerprint
-        new: list[tuple[np.ndarray, int]] = []
+        lookup = _Lookup(self.states[i], oldest, lambda hit: self._held(i, hit))
         prev = state.prev.tolist() if state.prev is not None else []
         lists: dict[str, list[list[int]]] = {name: [] for name in group.fields}
         shifted = {t: mask.tolist() for t, mask in shift.items()}
@@ -612,25 +638,51 @@ class Frames:
                     out, first = lists[source][r][1:] + [0], k - 1
                 else:
                     out, first = [0] * k, 0
-                row = keys[name][r]
+                row, frames = keys[name][r], values[name][r]
                 for j in range(first, k):
-                    key = row[j]
-                    hit = found.get(key)
-                    if hit is None:
-                        hit = recent.get(key)
-                        if hit is not None and not oldest <= hit < tail:
-                            hit = None
-                    if hit is not None:
-                        raw = values[name][r, j].tobytes()
-                        held = new[hit - tail][0].tobytes() if hit >= tail else self._held(i, hit)
-                        if held == raw:  # bytes compared: -0.0 is not 0.0, NaN is itself
-                            out[j] = hit
-                            continue
-                    out[j] = found[key] = tail + len(new)
-                    new.append((values[name][r, j], key))
+                    out[j] = lookup.id_of(row[j], frames[j])
                 lists[name].append(out)
         ids = {name: np.array(rows, np.int64).reshape(n, k) for name, rows in lists.items()}
-        return ids, new, 2 if (mode == 2).sum() > (mode == 1).sum() else 1
+        return ids, lookup.new, likely
+
+    def _shifted(self, i: int, values: Mapping[str, np.ndarray],
+                 words: Mapping[str, np.ndarray], mode: np.ndarray, oldest: int
+                 ) -> tuple[dict[str, np.ndarray], list[tuple[np.ndarray, int]]]:
+        """:meth:`_plan`'s ids and new frames where the group's one target is, in every
+        record, its source shifted by a frame (bytes compared already), as one episode's
+        records are: only the targets' newest frames and the sources that continue no
+        predecessor (``mode`` 0) are looked up; the other ids follow, for the batch at
+        once."""
+        group = self.groups[i]
+        source, target = group.fields
+        n, k = len(mode), group.k
+        lookup = _Lookup(self.states[i], oldest, lambda hit: self._held(i, hit))
+        # A run of records starts at a source looked up (mode 0) or continuing the last
+        # push (mode 2: the ids of state.prev's row), and goes on with records continuing
+        # the one before (mode 1): then the j-th frame of record r's source is the
+        # start's frame r - start + j while that is < k, and else record r + j - k's
+        # newest frame (its target's last).
+        rows = np.arange(n)
+        base = np.zeros((n, k), np.int64)
+        continuing = mode == 2
+        if continuing.any():
+            base[continuing] = cast(np.ndarray, self.states[i].prev)[rows[continuing]]
+        alone = np.flatnonzero(mode == 0)
+        if len(alone):
+            keys = _fingerprints(words[source][alone].reshape(len(alone) * k, -1)).tolist()
+            frames = values[source][alone].reshape((len(alone) * k,) + group.frame_shape)
+            base[alone] = np.array([lookup.id_of(key, frame) for key, frame in zip(keys, frames)],
+                                   np.int64).reshape(len(alone), k)
+        newest = np.array([lookup.id_of(key, frame) for key, frame in
+                           zip(_fingerprints(words[target][:, -1]).tolist(),
+                               values[target][:, -1])], np.int64)
+        starts = np.maximum.accumulate(np.where(mode != 1, rows, 0))[:, None]
+        at = rows[:, None] + np.arange(k) - k  # (the record whose newest frame it is)
+        later = at >= starts
+        ids = np.where(later, newest[np.maximum(at, 0)],
+                       base[starts, np.where(later, 0, at + k - starts)])
+        return {source: ids, target: np.concatenate([ids[:, 1:], newest[:, None]], axis=1)}, \
+            lookup.new
 
     def _modes(self, i: int, words: Mapping[str, np.ndarray], source: str,
                ahead: str | None, n: int, k: int, oldest: int) -> np.ndarray:
@@ -642,28 +694,30 @@ class Frames:
         src = words[source]
         mode = np.zeros(n, np.int8)
         prev = state.prev
-        # (all rows compared, as slices: a copy of the rows still open would cost more)
         for kind in ((2, 1) if state.likely == 2 else (1, 2)):
+            rows: slice | np.ndarray
             if kind == 1:
                 if n < 2 or mode[1:].all():
                     continue
-                rows = slice(1, n)
+                rows = slice(1, n)  # (all compared, as slices: cheaper than a copy of some)
                 held = words[ahead][:-1] if ahead is not None else src[:-1]
             else:
                 if prev is None:
                     continue
                 m = min(n, len(prev))
-                if not m or mode[:m].all() or prev[:m].min() < oldest:
+                # rows still open whose predecessor's frames are all in the window
+                open_ = np.flatnonzero((mode[:m] == 0) & (prev[:m].min(axis=1) >= oldest))
+                if not len(open_):
                     continue
-                frames = self._held_frames(i, prev[:m].reshape(-1))
+                rows = slice(0, m) if len(open_) == m else open_
+                frames = self._held_frames(i, prev[rows].reshape(-1))
                 if frames is None:
                     continue
-                rows = slice(0, m)
-                held = _words(frames, m, k)
+                held = _words(frames, len(open_), k)
             same = (_rows_equal(src[rows], held) if ahead is not None
                     else _rows_equal(src[rows, :-1], held[:, 1:]))
             part = mode[rows]
-            part[(part == 0) & same] = kind
+            mode[rows] = np.where((part == 0) & same, kind, part)
         return mode
 
     def _held(self, i: int, frame_id: int) -> bytes | None:
