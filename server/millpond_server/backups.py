@@ -295,7 +295,8 @@ def _data_extents(fd: int, start: int, end: int) -> list[tuple[int, int]]:
         return []
     if not hasattr(os, "SEEK_DATA"):
         return [(start, end)]
-    runs, at = [], start
+    runs: list[tuple[int, int]] = []
+    at = start
     while at < end:
         try:
             lo = os.lseek(fd, at, os.SEEK_DATA)

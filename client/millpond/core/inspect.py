@@ -173,12 +173,11 @@ def _check_frames(file: BufferFile, fifo: Fifo, damaged: np.ndarray
             if len(lost):
                 for name in group.fields:
                     bad |= np.isin(ids[name], lost).any(axis=1)
-            compressed = isinstance(ring, Arena)
+            sizes = (ring.lap, ring.limit) if isinstance(ring, Arena) else (0, 0)
             rings.append(FrameRing(group.source, group.fields, group.k, group.axis,
                                    ring.capacity, group.frame_shape, group.dtype.str,
                                    ring.sums is not None, len(wanted), lost, group.codec,
-                                   ring.lap if compressed else 0,
-                                   ring.limit if compressed else 0))
+                                   *sizes))
         return rings, seqs[bad]
     finally:
         frames.release()
