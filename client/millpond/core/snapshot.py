@@ -327,8 +327,11 @@ class Snapshot:
             if isinstance(ring, Arena):
                 assert copy.data is not None and copy.offs is not None and copy.lens is not None
                 keep = np.repeat(good, copy.lens.astype(np.int64))  # the bytes of those that pass
-                ring.put(ids[good], copy.offs[good], copy.data[keep], copy.lens[good],
-                         fresh[good])
+                try:  # (written with pwrite: see .bufferfile)
+                    ring.put(ids[good], copy.offs[good], copy.data[keep], copy.lens[good],
+                             fresh[good])
+                except StorageIOError as exc:  # the snapshot's own file: never the buffer's
+                    raise OSError(f"writing snapshot {self.path} failed: {exc}") from exc
             else:
                 assert isinstance(ring, Ring) and copy.frames is not None
                 ring.put(ids[good], copy.frames[good], fresh[good])
