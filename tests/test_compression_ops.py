@@ -403,6 +403,21 @@ def test_inspect_checks_compressed_blobs_and_names_the_records_they_isolate(tmp_
     survivor.release()
 
 
+def test_inspect_of_a_compressed_ring_whose_size_cannot_be_says_it_is_unreadable(tmp_path, data):
+    _, packed = pair(tmp_path, data)
+    packed.release()
+    path = tmp_path / "packed.buffer"
+    (offset, _), _ = region(path, "framelap:obs")
+    with open(path, "r+b") as f:  # the ring's size now: not its first size doubled
+        f.seek(offset)
+        f.write((12_345).to_bytes(8, "little"))
+    code, out = inspect_cli(path)
+    assert code == 2, out
+    assert "UNREADABLE" in out and "12345 bytes" in out, out
+    with pytest.raises(millpond.CorruptFileError, match="12345 bytes"):  # so does a reopen
+        TieredBuffer.open(path)
+
+
 # ---- --max-data-gb -----------------------------------------------------------------------------
 
 @pytest.mark.daemon
