@@ -307,8 +307,9 @@ class Snapshot:
 
     def _store_frames(self, step: Step) -> np.ndarray:
         """Check the frames a step copied and store those that pass in the new file's rings;
-        which of the step's records refer to one that failed (gone from its slot, or not
-        matching its checksum)."""
+        which of the step's records refer to one that failed (gone from its slot, not
+        matching its checksum, or a compressed ring's blob with an offset or length that
+        cannot be)."""
         assert self._frames is not None and self._rings is not None
         bad = np.zeros(len(step.kept), bool)
         for group, ring, copy in zip(self._frames.groups, self._rings.rings, step.frames):
