@@ -399,14 +399,6 @@ class BufferFile:
         return created
 
     @staticmethod
-    def nbytes(schema: Schema, hot_capacity: int, total_capacity: int, persistent: bool = False,
-               extra_meta: dict | None = None, slot_arrays: Mapping[str, str] | None = None,
-               frame_regions: Regions | None = None) -> int:
-        """The size of the file :meth:`create` would make with these arguments."""
-        return _plan(schema, hot_capacity, total_capacity, persistent, extra_meta, slot_arrays,
-                     frame_regions)[2]
-
-    @staticmethod
     def allocated_nbytes(schema: Schema, hot_capacity: int, total_capacity: int,
                          persistent: bool = False, extra_meta: dict | None = None,
                          slot_arrays: Mapping[str, str] | None = None,
