@@ -24,7 +24,9 @@ every record of the copy, then gives it its name (never over an existing buffer)
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import mmap
 import os
 import secrets
 import stat
@@ -33,6 +35,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
 
 from millpond.core import BufferConfig, TieredBuffer
+from millpond.core.bufferfile import BufferFile, dense_nbytes
 from millpond.core.fileops import CREATE_FLAGS, fsync_directory, unlink_quietly
 from millpond.core.snapshot import CheckpointResult, snapshot_path
 from millpond.errors import (
@@ -243,24 +246,70 @@ def restore(snapshot: str | os.PathLike, data_dir: str | os.PathLike, name: str 
 
 
 def _copy(source: Path, temp: Path, progress: Callable[[str, int, int], None] | None) -> None:
+    """Copy ``source`` to ``temp``, keeping the sparse regions of a compressed buffer's file
+    sparse (see :mod:`millpond.core.bufferfile`): only their data is written (where the
+    file system says it is, and not all zero), so the copy takes the disk the snapshot
+    takes, not its size. The rest is written whole (allocated, as a created file is)."""
     total = source.stat().st_size
-    fd = os.open(temp, CREATE_FLAGS, 0o600)
+    with open(source, "rb") as src:
+        dense = _dense_part(src.fileno(), total)
+        fd = os.open(temp, CREATE_FLAGS, 0o600)
+        try:
+            for lo, hi in [(0, dense), *_data_extents(src.fileno(), dense, total)]:
+                at = lo
+                while at < hi:
+                    block = os.pread(src.fileno(), min(COPY_BYTES, hi - at), at)
+                    if not block:
+                        break
+                    if at < dense or block.count(0) != len(block):
+                        view = memoryview(block)
+                        done = 0
+                        while done < len(view):
+                            done += os.pwrite(fd, view[done:], at + done)
+                    at += len(block)
+                    if progress is not None:
+                        progress("copy", at, total)
+            os.ftruncate(fd, total)
+            if progress is not None:
+                progress("copy", total, total)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _dense_part(fd: int, size: int) -> int:
+    """The bytes of a buffer file before its sparse regions (all of it for a file that has
+    none, or whose header cannot be read: the check after the copy says what is wrong)."""
     try:
-        with open(source, "rb") as src:
-            done = 0
-            while True:
-                block = src.read(COPY_BYTES)
-                if not block:
-                    break
-                view = memoryview(block)
-                while view:
-                    view = view[os.write(fd, view):]
-                done += len(block)
-                if progress is not None:
-                    progress("copy", done, total)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+            meta, _ = BufferFile.read_meta(mm, "")
+        return min(size, dense_nbytes(meta, size))
+    except (ReplayError, ValueError, OSError, KeyError, TypeError):
+        return size
+
+
+def _data_extents(fd: int, start: int, end: int) -> list[tuple[int, int]]:
+    """The runs of ``[start, end)`` of a file that hold data (the rest are holes); all of
+    it where the file system cannot tell."""
+    if start >= end:
+        return []
+    if not hasattr(os, "SEEK_DATA"):
+        return [(start, end)]
+    runs: list[tuple[int, int]] = []
+    at = start
+    while at < end:
+        try:
+            lo = os.lseek(fd, at, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # nothing but a hole from here on
+                break
+            return runs + [(at, end)]
+        if lo >= end:
+            break
+        hi = min(end, os.lseek(fd, lo, os.SEEK_HOLE))
+        runs.append((lo, hi))
+        at = hi
+    return runs
 
 
 def _check(source: Path, temp: Path, progress: Callable[[str, int, int], None] | None

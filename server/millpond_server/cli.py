@@ -370,7 +370,7 @@ def format_inspection(found: Any, limit: int | None = 20) -> str:
 
 
 def _frame_lines(found: Any, limit: int | None) -> list[str]:
-    """The frame rings of a format 6 file, as ``millpond inspect`` reports them."""
+    """The frame rings of a format 6 or 7 file, as ``millpond inspect`` reports them."""
     lines = []
     for ring in found.frames:
         shape = ",".join(map(str, ring.frame_shape))
@@ -378,14 +378,21 @@ def _frame_lines(found: Any, limit: int | None) -> list[str]:
                  else "one frame per value")
         nexts = f" (and {', '.join(ring.fields[1:])} next_of it)" if len(ring.fields) > 1 else ""
         check = "id and checksum" if ring.checksummed else "id; no checksums: not persistent"
-        lines.append(f"frames    {ring.source}: {stack}{nexts}; ring of {ring.capacity:,} "
-                     f"frames {ring.dtype}[{shape}]")
+        stored, what = f"ring of {ring.capacity:,} frames {ring.dtype}[{shape}]", "frames"
+        if ring.codec is not None:  # a compressed ring (format 7): blobs in a ring of bytes
+            check = ("id, offset, length and checksum" if ring.checksummed else
+                     "id, offset and length; no checksums: not persistent")
+            stored = (f"compressed ({ring.codec[0]}, level {ring.codec[1]}), {ring.capacity:,} "
+                      f"frames {ring.dtype}[{shape}] as blobs in a ring of {ring.nbytes:,} "
+                      f"bytes (up to {ring.limit:,})")
+            what = "blobs"
+        lines.append(f"frames    {ring.source}: {stack}{nexts}; {stored}")
         if len(ring.damaged):
-            lines.append(f"DAMAGED   {len(ring.damaged):,} of {ring.referred:,} frames of "
+            lines.append(f"DAMAGED   {len(ring.damaged):,} of {ring.referred:,} {what} of "
                          f"{ring.source} fail their {check} check: frames "
                          f"{_listed(ring.damaged, limit)}")
         else:
-            lines.append(f"checks    {ring.referred:,} frames of {ring.source} the records refer "
+            lines.append(f"checks    {ring.referred:,} {what} of {ring.source} the records refer "
                          f"to checked ({check}): all pass")
     bad = found.frame_damaged
     if len(bad):

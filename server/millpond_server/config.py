@@ -180,7 +180,10 @@ SERVE_OPTIONS = (
            "write the address clients on this host reach the server at, once serving"),
     Option("max_buffers", _positive_int, 1000, "buffers the server may hold"),
     Option("max_data_gb", _positive_float, None,
-           "disk the data directory may use, GB (default: what the disk has)"),
+           "disk the data directory's buffer files may take, GB, checked when a buffer is "
+           "created: the blocks the files take (a compressed ring what it stores so far), and "
+           "a new file's allocation with its compressed rings at their first size (default: "
+           "what the disk has)"),
     Option("max_concurrent_calls", _positive_int, 1024,
            "gRPC calls and streams served at once, from all clients (more are refused; the "
            "health check is always answered)"),

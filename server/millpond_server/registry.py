@@ -23,7 +23,7 @@ from millpond.core import BufferConfig, BufferInfo, TieredBuffer
 from millpond.core.bufferfile import FORMAT_VERSION, MAGIC, SERVED_VERSIONS, BufferFile
 from millpond.core.dataset import ReadOnlyBuffer
 from millpond.core.fileops import fsync_directory
-from millpond.core.footprint import file_nbytes
+from millpond.core.footprint import disk_nbytes
 from millpond.errors import (
     BufferDamagedError,
     BufferNotFoundError,
@@ -323,13 +323,15 @@ class Registry:
             raise LimitExceededError(
                 f"the server holds {count} buffers, its limit (--max-buffers); close one first")
         if self.max_data_bytes is not None:
-            used = sum(p.stat().st_size for p in self.data_dir.glob(f"*{FILE_SUFFIX}"))
-            needed = file_nbytes(config, persistent=True)
+            # What the files take on disk (their blocks), not their sizes: a compressed ring
+            # is a sparse region that fills as its buffer stores (see millpond.core.arena).
+            used = sum(_allocated(p) for p in self.data_dir.glob(f"*{FILE_SUFFIX}"))
+            needed = disk_nbytes(config, persistent=True)
             if used + needed > self.max_data_bytes:
                 raise LimitExceededError(
-                    f"a buffer file of {needed:,} bytes would take the data directory to "
-                    f"{used + needed:,} bytes, over its limit of {self.max_data_bytes:,} "
-                    "(--max-data-gb)")
+                    f"a buffer file taking {needed:,} bytes of disk would take the data "
+                    f"directory's buffer files to {used + needed:,} bytes, over its limit of "
+                    f"{self.max_data_bytes:,} (--max-data-gb)")
 
     def add_dataset(self, name: str, path: str | Path) -> ReadOnlyBuffer:
         """Load the offline dataset at ``path`` (see :mod:`millpond.datasets`) and serve
@@ -387,10 +389,10 @@ class Registry:
         if dataset:
             return 0
         try:
-            found = (held.path if held is not None else self.path(name)).lstat()
-        except (OSError, InvalidArgumentError):
+            path = held.path if held is not None else self.path(name)
+        except InvalidArgumentError:
             return 0
-        return found.st_blocks * 512 if stat.S_ISREG(found.st_mode) else 0
+        return _allocated(path)
 
     def held_list(self) -> list[HeldBuffer]:
         """The buffers held out of service, by name (a snapshot)."""
@@ -469,6 +471,15 @@ class Registry:
     def __len__(self) -> int:
         with self._lock:
             return len(self._buffers)
+
+
+def _allocated(path: Path) -> int:
+    """The disk the file at ``path`` takes (its blocks; 0 if it is gone, or not a file)."""
+    try:
+        found = path.lstat()
+    except OSError:
+        return 0
+    return found.st_blocks * 512 if stat.S_ISREG(found.st_mode) else 0
 
 
 def _probe(name: str, path: Path) -> HeldBuffer | None:

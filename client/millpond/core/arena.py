@@ -382,3 +382,68 @@ class Arena:
         self.lens = np.empty(0, LEN_DTYPE)
         self.sums = None
         self.writer = None
+
+    # ---- snapshots (see .snapshot) --------------------------------------------------
+
+    def copy_out(self, frame_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                       np.ndarray, np.ndarray | None]:
+        """Copies of frames ``frame_ids``' blobs as stored (not decompressed), one after
+        the other (uint8), with their logical offsets, their lengths, the ids their slots
+        hold (another id: the frame is gone) and their stored checksums (None: a ring in
+        RAM keeps none). A slot whose offset or length cannot be (see :meth:`damaged`)
+        is copied as an empty blob, its held id -1."""
+        slots = frame_ids % self.capacity
+        held = self.ids[slots].copy()
+        offs = self.offs[slots].copy()
+        lens = self.lens[slots].astype(np.int64)
+        wrong = ((lens < 1) | (lens > self.frame_nbytes) | (offs < 0)
+                 | (offs % self.lap + lens > self.lap))
+        held[wrong] = -1
+        lens[wrong] = 0
+        data = memoryview(self.data.data)
+        joined = b"".join([data[at:at + n] for at, n in
+                           zip((offs % self.lap).tolist(), lens.tolist())])
+        return (np.frombuffer(joined, np.uint8), offs, lens.astype(LEN_DTYPE), held,
+                None if self.sums is None else self.sums[slots].copy())
+
+    def adopt(self, lap: int) -> None:
+        """Make an empty ring ``lap`` bytes (a power of two times its first size, at most
+        its limit): a snapshot's copy keeps its blobs' logical offsets, so it takes its
+        source's size (see :meth:`put`). ValueError for a size it cannot have."""
+        first = first_lap(self.limit, self.frame_nbytes)
+        ratio = lap // first
+        if lap % first or ratio < 1 or ratio & (ratio - 1) or lap > self.limit:
+            raise ValueError(f"a ring of {self.limit} bytes cannot be {lap} bytes")
+        if self.writer is None and self.lap_store is None:  # in RAM: a new array
+            self.data = np.empty(lap, np.uint8)
+        if self.lap_store is not None:
+            self.lap_store[0] = lap
+        self.lap = lap
+
+    def put(self, frame_ids: np.ndarray, offsets: np.ndarray, data: np.ndarray,
+            lens: np.ndarray, sums: np.ndarray) -> None:
+        """Store blobs (``data``: one after the other, ``lens`` each) of frames
+        ``frame_ids`` (ascending, no two in one slot) at their logical ``offsets``, with
+        their checksums: a snapshot's copy of another ring's blobs, in a ring of its
+        size (:meth:`adopt`), where blobs that were live together do not overlap. Runs of
+        adjacent blobs go in one write each."""
+        n = len(frame_ids)
+        if not n:
+            return
+        ends = np.cumsum(lens, dtype=np.int64)
+        starts = ends - lens
+        at = (offsets % self.lap).tolist()
+        offs, sizes, lo, hi = offsets.tolist(), lens.tolist(), starts.tolist(), ends.tolist()
+        run = 0
+        for j in range(1, n + 1):
+            if j == n or at[j] == 0 or offs[j] != offs[j - 1] + sizes[j - 1]:
+                self._store(at[run], data[lo[run]:hi[j - 1]].tobytes())
+                run = j
+        slots = frame_ids % self.capacity
+        self.offs[slots] = offsets
+        self.lens[slots] = lens
+        if self.sums is not None:
+            self.sums[slots] = sums
+        self.ids[slots] = frame_ids
+        last = int(np.argmax(offsets))
+        self.end = max(self.end, int(offsets[last]) + int(lens[last]))

@@ -497,12 +497,9 @@ class TieredBuffer(ConfigAccessors):
     def snapshot(self, path: str | os.PathLike, *, replace: bool = False) -> Snapshot:
         """A :class:`~millpond.core.snapshot.Snapshot` of this buffer to ``path``, to run
         step by step (a daemon runs each step through the buffer's owner). A buffer with
-        ``frame_stack`` or ``next_of`` takes its frames along. Not yet for buffers with
-        ``compression`` (InvalidArgumentError)."""
+        ``frame_stack``, ``next_of`` or ``compression`` takes its frames along (compressed
+        ones as stored)."""
         self._check_open()
-        if self.config.compression:
-            raise InvalidArgumentError("checkpoints of buffers with compression are not "
-                                       "supported yet")
         return Snapshot(self, path, replace=replace)
 
     def _slot_state(self) -> dict[str, np.ndarray]:

@@ -233,6 +233,13 @@ def _plan(schema: Schema, hot_capacity: int, total_capacity: int, persistent: bo
     return header, meta, size
 
 
+def dense_nbytes(meta: Mapping, size: int) -> int:
+    """Where the sparse regions of a file of ``size`` bytes with metadata ``meta`` begin
+    (they come last; ``size`` if it has none): the bytes allocated at its creation."""
+    return min((offset for name, (offset, _) in meta["regions"].items()
+                if name.startswith(SPARSE_PREFIX)), default=size)
+
+
 def _region_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
@@ -365,9 +372,7 @@ class BufferFile:
         header, meta, size = _plan(schema, hot_capacity, total_capacity, persistent, extra_meta,
                                    slot_arrays, frame_regions)
         version = _version_of(frame_regions)
-        sparse = [offset for name, (offset, _) in meta["regions"].items()
-                  if name.startswith(SPARSE_PREFIX)]
-        dense = min(sparse, default=size)  # what is allocated: the sparse regions come last
+        dense = dense_nbytes(meta, size)  # what is allocated: the sparse regions come last
         directory, base = os.path.split(os.path.abspath(path))
         check_free_space(directory, dense, path)
         temp = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
@@ -394,12 +399,15 @@ class BufferFile:
         return created
 
     @staticmethod
-    def nbytes(schema: Schema, hot_capacity: int, total_capacity: int, persistent: bool = False,
-               extra_meta: dict | None = None, slot_arrays: Mapping[str, str] | None = None,
-               frame_regions: Regions | None = None) -> int:
-        """The size of the file :meth:`create` would make with these arguments."""
-        return _plan(schema, hot_capacity, total_capacity, persistent, extra_meta, slot_arrays,
-                     frame_regions)[2]
+    def allocated_nbytes(schema: Schema, hot_capacity: int, total_capacity: int,
+                         persistent: bool = False, extra_meta: dict | None = None,
+                         slot_arrays: Mapping[str, str] | None = None,
+                         frame_regions: Regions | None = None) -> int:
+        """The bytes :meth:`create` allocates with these arguments: all of the file but its
+        sparse regions (compressed rings, written as they fill)."""
+        _, meta, size = _plan(schema, hot_capacity, total_capacity, persistent, extra_meta,
+                              slot_arrays, frame_regions)
+        return dense_nbytes(meta, size)
 
     def publish(self, replace: bool = True) -> None:
         """Give a created file its name (atomically). ``replace=False`` refuses to

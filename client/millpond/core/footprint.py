@@ -80,11 +80,18 @@ def side_nbytes(config: BufferConfig, persistent: bool) -> int:
     return needed
 
 
-def file_nbytes(config: BufferConfig, persistent: bool) -> int:
-    """The size of the file a buffer with ``config`` makes (0: it makes none)."""
+def disk_nbytes(config: BufferConfig, persistent: bool) -> int:
+    """The disk the file a buffer with ``config`` makes takes once made (0: it makes none):
+    all of it allocated at creation but its compressed rings, which are sparse and grow with
+    what is stored (see :mod:`.arena`), counted at their first size."""
     if not persistent and config.cold_capacity == 0:
         return 0
-    return BufferFile.nbytes(config.stored_schema, config.hot_capacity, config.total_capacity,
-                             persistent, config.sampling_meta(),
-                             slot_arrays_for(config) if persistent else None,
-                             frame_regions_for(config, persistent))
+    dense = BufferFile.allocated_nbytes(config.stored_schema, config.hot_capacity,
+                                        config.total_capacity, persistent,
+                                        config.sampling_meta(),
+                                        slot_arrays_for(config) if persistent else None,
+                                        frame_regions_for(config, persistent))
+    assert config.frame_capacity is not None or not config.frame_groups
+    return dense + sum(first_lap(arena_nbytes(g, config.frame_capacity or 0,
+                                              config.compressed_bytes), g.frame_nbytes)
+                       for g in config.frame_groups if g.codec is not None)

@@ -12,6 +12,14 @@ holds its id) and, in a persistent file, match its checksum (``framesum:``). Eac
 damaged frames are reported (:class:`FrameRing`), and the live records that refer to
 one are counted damaged too (``frame_damaged``): a reopen with ``skip_corrupt`` isolates
 exactly them, the other records sharing no damaged frame stay served.
+
+A compressed group (format 7: ``compression``, see :mod:`.arena`) keeps its frames as blobs
+in a ring of bytes: each blob a live record refers to must be in its slot, have an offset
+and a length that can be (within the ring's size now, at most a frame's bytes) and, in a
+persistent file, match its checksum (crc32 of its stored bytes, id and offset; it is not
+decompressed). Damaged blobs are reported and isolate their records the same way. A ring
+whose stored size cannot be (its ``framelap:``) makes the file unreadable: a reopen
+refuses it too.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import Callable
 import numpy as np
 
 from millpond.core import bufferfile
+from millpond.core.arena import Arena
 from millpond.core.bufferfile import MAGIC, SLOT_NAMES, BufferFile
 from millpond.core.config import BufferConfig
 from millpond.core.fifo import Fifo
@@ -64,6 +73,10 @@ class FrameRing:
     checksummed: bool
     referred: int = 0
     damaged: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    # a compressed ring's (format 7): its codec and level, its size now and its limit
+    codec: tuple[str, int] | None = None
+    nbytes: int = 0
+    limit: int = 0
 
 
 @dataclass
@@ -114,7 +127,11 @@ def inspect(path: str | os.PathLike, progress: Callable[[int, int], None] | None
         found.checksummed = file.meta["persistent"]
         found.checked = (file.pushed if found.checksummed else file.hot_lo) - file.first
         if file.meta.get("frame_regions"):
-            found.frames, found.frame_damaged = _check_frames(file, fifo, found.damaged)
+            try:
+                found.frames, found.frame_damaged = _check_frames(file, fifo, found.damaged)
+            except ValueError as exc:  # a compressed ring's stored size that cannot be
+                found.status, found.error = UNREADABLE, f"{path}: {exc}"
+                return found
         if len(found.damaged) or len(found.frame_damaged) or found.notes:
             found.status = DAMAGED
     finally:
@@ -156,9 +173,11 @@ def _check_frames(file: BufferFile, fifo: Fifo, damaged: np.ndarray
             if len(lost):
                 for name in group.fields:
                     bad |= np.isin(ids[name], lost).any(axis=1)
+            sizes = (ring.lap, ring.limit) if isinstance(ring, Arena) else (0, 0)
             rings.append(FrameRing(group.source, group.fields, group.k, group.axis,
                                    ring.capacity, group.frame_shape, group.dtype.str,
-                                   ring.sums is not None, len(wanted), lost))
+                                   ring.sums is not None, len(wanted), lost, group.codec,
+                                   *sizes))
         return rings, seqs[bad]
     finally:
         frames.release()

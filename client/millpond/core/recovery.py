@@ -22,6 +22,7 @@ from millpond.core.bufferfile import BufferFile
 from millpond.core.config import BufferConfig
 from millpond.core.fifo import Fifo
 from millpond.core.footprint import frames_for
+from millpond.core.frames import Frames
 from millpond.errors import CorruptFileError
 
 
@@ -47,9 +48,12 @@ def recover(path: str | os.PathLike, *, sync_every_push: bool = False, skip_corr
                                    f"what slot {state.used} commits")
         config = BufferConfig.from_file_meta(file.meta, file.schema)
         assert file.hot_tier is not None
+        frames, wrong = _frames(config, file)
+        if wrong is not None:  # (raised here: the failed attempt's views of the file are gone)
+            raise CorruptFileError(f"{file.path}: {wrong}")
         fifo = Fifo(config.schema, file.hot_tier, file.tier, config.total_capacity, file,
                     durable=True, sync_every_push=sync_every_push, spare=file.spare,
-                    frames=frames_for(config, file), stored=file.schema)
+                    frames=frames, stored=file.schema)
         fifo.pushed, fifo.first, fifo.hot_lo = file.pushed, file.first, file.hot_lo
         bad = fifo.damaged(progress)
         if fifo.frames is not None:
@@ -67,6 +71,15 @@ def recover(path: str | os.PathLike, *, sync_every_push: bool = False, skip_corr
         raise
     fifo.holes = bad
     return config, fifo
+
+
+def _frames(config: BufferConfig, file: BufferFile) -> tuple[Frames | None, str | None]:
+    """The file's frame rings, or why they cannot be (a compressed ring whose stored size
+    cannot be: ValueError from :class:`.arena.Arena`)."""
+    try:
+        return frames_for(config, file), None
+    except ValueError as exc:
+        return None, str(exc)
 
 
 def _check_frames(fifo: Fifo, bad: np.ndarray) -> np.ndarray:

@@ -38,6 +38,14 @@ file has rings of the same ``frame_capacity``, each frame at its id's slot with 
 checksum: the ids of a cut's records span at most a ring, so no two share a slot, and
 the reopen (:func:`.recovery.recover`) checks every frame a live record refers to.
 
+A compressed group (``compression``: an :class:`.arena.Arena`, a ring of bytes) is copied
+the same way, its blobs as stored (never decompressed and compressed again), each
+checked against its checksum (a persistent buffer's: crc32 of the blob, its id and
+offset) and for an offset and length that can be; a record referring to a blob that
+fails is dropped as a damaged one. Each blob keeps its logical offset (and so its
+checksum) in the new file's ring, which takes the size the source's had at the cut:
+the blobs live at the cut lay within one lap of it, so none overlap there.
+
 numpy and the standard library only, like the rest of the engine.
 """
 
@@ -49,6 +57,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 
+from millpond.core.arena import Arena, blob_sum
 from millpond.core.bufferfile import BufferFile
 from millpond.core.checksum import CHECKSUM_DTYPE, record_checksums
 from millpond.core.fifo import Fifo
@@ -119,10 +128,24 @@ class Step:
     slots: dict[str, np.ndarray]
     gone: np.ndarray
     gone_episodes: np.ndarray
-    # A frame buffer's: per ring, the frames ``kept`` refer to (ids, frames, the ids their
-    # slots held, their stored checksums or None).
-    frames: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = \
-        field(default_factory=list)
+    # A frame buffer's: per ring, the frames ``kept`` refer to.
+    frames: list["FrameCopy"] = field(default_factory=list)
+
+
+@dataclass
+class FrameCopy:
+    """The frames of one ring that a step's records refer to, as copied under the lock:
+    their ``ids``, the ids their slots ``held``, their stored checksums (``sums``; None: the
+    ring keeps none), and the ``frames`` (a plain ring) or, for a compressed ring, the
+    blobs as stored: ``data`` (one after the other), logical offsets ``offs``, ``lens``."""
+
+    ids: np.ndarray
+    held: np.ndarray
+    sums: np.ndarray | None
+    frames: np.ndarray | None = None
+    data: np.ndarray | None = None
+    offs: np.ndarray | None = None
+    lens: np.ndarray | None = None
 
 
 class Snapshot:
@@ -169,6 +192,11 @@ class Snapshot:
             self.first, self.pushed = fifo.first, fifo.pushed
             self._next, self._low = fifo.pushed, fifo.first
             self._samples = self.buffer._rate.samples
+            if self._frames is not None and self._rings is not None:
+                for ring, copy in zip(self._frames.rings, self._rings.rings):
+                    if isinstance(ring, Arena):  # its size at the cut (see the module doc)
+                        assert isinstance(copy, Arena)
+                        copy.adopt(ring.lap)
 
     def create(self) -> None:
         """Allocate the new file (outside the lock: it may take a while; before the cut)."""
@@ -182,7 +210,8 @@ class Snapshot:
                                        slot_arrays=slot_arrays_for(config),
                                        frame_regions=frame_regions_for(config, True))
         if config.frame_groups:
-            self._rings = Frames.in_file(config.frame_groups, self._file.frame_region)
+            self._rings = Frames.in_file(config.frame_groups, self._file.frame_region,
+                                         self._file.region_writer)
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -260,37 +289,53 @@ class Snapshot:
         chunk.checksums = checksums
         self._store(chunk)
 
-    def _copy_frames(self, rows: Mapping[str, np.ndarray]
-                     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]]:
+    def _copy_frames(self, rows: Mapping[str, np.ndarray]) -> list[FrameCopy]:
         """The frames records ``rows`` (stored: frame ids) refer to, per ring (lock held)."""
         frames = self._frames
         if frames is None:
             return []
         copied = []
         for group, ring in zip(frames.groups, frames.rings):
-            assert isinstance(ring, Ring)  # (a compressed buffer has no snapshots: see TieredBuffer)
             ids = np.unique(np.concatenate([rows[name].reshape(-1) for name in group.fields]))
-            copied.append((ids, *ring.copy_out(ids)))
+            if isinstance(ring, Arena):
+                data, offs, lens, held, sums = ring.copy_out(ids)
+                copied.append(FrameCopy(ids, held, sums, data=data, offs=offs, lens=lens))
+            else:
+                frame_copies, held, sums = ring.copy_out(ids)
+                copied.append(FrameCopy(ids, held, sums, frames=frame_copies))
         return copied
 
     def _store_frames(self, step: Step) -> np.ndarray:
         """Check the frames a step copied and store those that pass in the new file's rings;
-        which of the step's records refer to one that failed (gone from its slot, or not
-        matching its checksum)."""
+        which of the step's records refer to one that failed (gone from its slot, not
+        matching its checksum, or a compressed ring's blob with an offset or length that
+        cannot be)."""
         assert self._frames is not None and self._rings is not None
         bad = np.zeros(len(step.kept), bool)
-        for group, ring, (ids, frames, held, sums) in zip(self._frames.groups, self._rings.rings,
-                                                          step.frames):
-            fresh = record_checksums({"frame": frames}, ids.astype(np.uint64))
-            wrong = (held != ids) | (ids < 0)
-            if sums is not None:
-                wrong |= sums != fresh
+        for group, ring, copy in zip(self._frames.groups, self._rings.rings, step.frames):
+            ids = copy.ids
+            if copy.frames is not None:
+                fresh = record_checksums({"frame": copy.frames}, ids.astype(np.uint64))
+            else:
+                fresh = _blob_sums(copy)
+            wrong = (copy.held != ids) | (ids < 0)
+            if copy.sums is not None:
+                wrong |= copy.sums != fresh
             if wrong.any():
                 for name in group.fields:
                     bad |= np.isin(step.rows[name], ids[wrong]).any(axis=1)
             good = ~wrong
-            assert isinstance(ring, Ring)
-            ring.put(ids[good], frames[good], fresh[good])
+            if isinstance(ring, Arena):
+                assert copy.data is not None and copy.offs is not None and copy.lens is not None
+                keep = np.repeat(good, copy.lens.astype(np.int64))  # the bytes of those that pass
+                try:  # (written with pwrite: see .bufferfile)
+                    ring.put(ids[good], copy.offs[good], copy.data[keep], copy.lens[good],
+                             fresh[good])
+                except StorageIOError as exc:  # the snapshot's own file: never the buffer's
+                    raise OSError(f"writing snapshot {self.path} failed: {exc}") from exc
+            else:
+                assert isinstance(ring, Ring) and copy.frames is not None
+                ring.put(ids[good], copy.frames[good], fresh[good])
         return bad
 
     def _store(self, chunk: _Chunk) -> None:
@@ -474,6 +519,20 @@ class Snapshot:
         positions = np.arange(first, self.pushed) % self.total_capacity
         hit = np.isin(episode[positions], np.fromiter(self._broken, np.int64))
         length[positions[hit]] = 0
+
+
+def _blob_sums(copy: FrameCopy) -> np.ndarray:
+    """The checksums of a compressed ring's copied blobs, computed from their bytes (an
+    empty blob: one that could not be copied, failing its check anyway)."""
+    assert copy.data is not None and copy.offs is not None and copy.lens is not None
+    data = memoryview(copy.data.data)
+    sums = np.empty(len(copy.ids), CHECKSUM_DTYPE)
+    at = 0
+    for j, (frame_id, offset, n) in enumerate(zip(copy.ids.tolist(), copy.offs.tolist(),
+                                                  copy.lens.tolist())):
+        sums[j] = blob_sum(frame_id, offset, data[at:at + n])
+        at += n
+    return sums
 
 
 def _raw(array: np.ndarray | None) -> np.ndarray:
