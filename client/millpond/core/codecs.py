@@ -40,13 +40,17 @@ compressed source field.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import threading
 from typing import Any, Callable, Mapping
+
+import numpy as np
 
 from millpond.errors import InvalidConfigError
 
 MIN_BYTES = 1024  # the smallest unit of storage that is compressed
-LEVELS = {"lz4": (0, 12, 0), "zstd": (-7, 22, 3)}  # codec: (lowest, highest, default)
+LEVELS = {"lz4": (0, 12, 0), "zstd": (-7, 22, -1)}  # codec: (lowest, highest, default)
 CODECS = tuple(LEVELS)
 
 
@@ -54,15 +58,20 @@ class Codec:
     """One codec at one level: ``compress(bytes) -> bytes``,
     ``decompress(buffer, nbytes) -> bytes`` (``nbytes``: the value's size, known to the
     reader) and ``decompress_many(data, starts, lengths, nbytes)``, the values stored at
-    ``data[start:start + length]`` (those of length ``nbytes`` raw: copied), in one tight
-    loop. Thread-safe: zstd's (de)compressor objects are kept per thread."""
+    ``data[start:start + length]`` (those of length ``nbytes`` raw: as they are), as a list
+    of bytes-like parts, each at most ``nbytes`` long (a part of another length is a blob
+    that lied: the caller checks), or the codec's error. Thread-safe: zstd's
+    (de)compressor objects are kept per thread. ``decompress_many`` is a reader's hot loop
+    (hundreds of 84x84 frames a sample), so it is made tight: lz4 without keywords or a
+    test per value (0.62 instead of 0.75 ms for 850 Atari frames), zstd in one GIL-free
+    call (:func:`_zstd_many`)."""
 
     def __init__(self, name: str, level: int):
         self.name, self.level = name, level
         self._local = threading.local()
         self.compress: Callable[[bytes], bytes]
         self.decompress: Callable[[Any, int], bytes]
-        self.decompress_many: Callable[[memoryview, list[int], list[int], int], list[bytes]]
+        self.decompress_many: Callable[[memoryview, list[int], list[int], int], list[Any]]
         if name == "lz4":
             block = _module("lz4.block", "lz4")
             if level:
@@ -77,11 +86,14 @@ class Codec:
                 return block.decompress(data, uncompressed_size=nbytes)
 
             def many(data: memoryview, starts: list[int], lengths: list[int],
-                     nbytes: int) -> list[bytes]:
-                unpack = block.decompress
-                return [bytes(data[at:at + n]) if n == nbytes
-                        else unpack(data[at:at + n], uncompressed_size=nbytes)
-                        for at, n in zip(starts, lengths)]
+                     nbytes: int) -> list[Any]:
+                unpack = block.decompress  # (source, uncompressed_size): positional is faster
+                if nbytes in lengths:  # raw values among them (rare: noise that does not shrink)
+                    return [data[at:at + n] if n == nbytes else unpack(data[at:at + n], nbytes)
+                            for at, n in zip(starts, lengths)]
+                return list(map(unpack, map(data.__getitem__,
+                                            map(slice, starts, map(operator.add, starts, lengths))),
+                                itertools.repeat(nbytes)))
             self.compress, self.decompress, self.decompress_many = compress, decompress, many
         else:
             zstd = _module("zstandard", "zstandard")
@@ -95,25 +107,56 @@ class Codec:
                                                       write_dict_id=False)
                 return c.compress(raw)
 
-            def decompressor() -> Any:
-                d = getattr(local, "d", None)
-                if d is None:
-                    d = local.d = zstd.ZstdDecompressor()
-                return d
-
             def zdecompress(data: Any, nbytes: int) -> bytes:
-                return decompressor().decompress(data, max_output_size=nbytes)
-
-            def zmany(data: memoryview, starts: list[int], lengths: list[int],
-                      nbytes: int) -> list[bytes]:
-                unpack = decompressor().decompress
-                return [bytes(data[at:at + n]) if n == nbytes
-                        else unpack(data[at:at + n], max_output_size=nbytes)
-                        for at, n in zip(starts, lengths)]
-            self.compress, self.decompress, self.decompress_many = zcompress, zdecompress, zmany
+                return _zstd_decompressor().decompress(data, max_output_size=nbytes)
+            self.compress, self.decompress, self.decompress_many = zcompress, zdecompress, _zstd_many
 
     def __repr__(self) -> str:
         return f"Codec({self.name!r}, {self.level})"
+
+
+_LOCAL = threading.local()
+
+
+def _zstd_decompressor() -> Any:
+    """This thread's zstd decompressor (they are not thread-safe)."""
+    d = getattr(_LOCAL, "zstd", None)
+    if d is None:
+        import zstandard
+        d = _LOCAL.zstd = zstandard.ZstdDecompressor()
+    return d
+
+
+def _zstd_many(data: memoryview, starts: list[int], lengths: list[int], nbytes: int
+               ) -> list[Any]:
+    """zstd blobs ``data[start:start + length]`` decompressed (those of ``nbytes`` raw: as
+    they are), each exactly ``nbytes`` or ZstdError: python-zstandard's
+    ``multi_decompress_to_buffer`` with every output's size given (it allocates those sizes,
+    whatever a blob's header says, and fails a blob that decompresses to any other), one C
+    call with the GIL released: 1.2-1.5x faster than a call per blob on 850 Atari frames,
+    each of which also takes the GIL back."""
+    import zstandard
+
+    n = len(starts)
+    if not n:
+        return []
+    at = np.asarray(starts, np.uint64)
+    size = np.asarray(lengths, np.uint64)
+    packed = size != nbytes
+    count = int(np.count_nonzero(packed))
+    if count:
+        segments = np.stack([at[packed], size[packed]], axis=1) if count < n else \
+            np.stack([at, size], axis=1)
+        found = _zstd_decompressor().multi_decompress_to_buffer(
+            zstandard.BufferWithSegments(data, segments.tobytes()),
+            decompressed_sizes=np.full(count, nbytes, np.uint64).tobytes())
+        if count == n:
+            return list(map(found.__getitem__, range(count)))
+    out: list[Any] = [data[a:a + length] for a, length in zip(starts, lengths)]
+    if count:
+        for j, i in enumerate(np.flatnonzero(packed).tolist()):
+            out[i] = found[j]
+    return out
 
 
 def _module(name: str, package: str) -> Any:

@@ -72,7 +72,7 @@ PREFIX = "@"
 # and a handoff about as much. Measured on the 2-core development machine (Atari frames):
 # sample(256) of 430-850 distinct frames rebuilt on two threads at 0.9-1.1x of one
 # (bench/bench_pixels.py prints it); 850 zstd frames, decompressed in one GIL-free call per
-# thread (see _zstd_many), at 0.9x; 2,700 frames at 1.27x with zstd (a call per frame) and
+# thread (see codecs._zstd_many), at 0.9x; 2,700 frames at 1.27x with zstd (a call per frame) and
 # 1.0x with lz4.
 PARALLEL_FRAMES = int(os.environ.get("MILLPOND_REBUILD_PARALLEL_FRAMES", 0)) or 2048
 THREADS = 2
@@ -257,7 +257,7 @@ def _decode(source: str, table: FrameTable, dtype: np.dtype, frame_shape: tuple[
     if table.codec == "zstd":
         _check_zstd_sizes(source, view, starts, lengths, nbytes)
 
-    many = _zstd_many if table.codec == "zstd" else codec.decompress_many
+    many = codec.decompress_many
 
     def run(lo: int, hi: int) -> list:
         try:
@@ -283,42 +283,6 @@ def _decode(source: str, table: FrameTable, dtype: np.dtype, frame_shape: tuple[
         raise StoredFormError(f"compressed table {source!r}: a blob decompressing to "
                               f"{wrong:,} bytes, not {nbytes:,}")
     return np.frombuffer(whole, dtype).reshape((n, *frame_shape))
-
-
-def _zstd_many(view: memoryview, starts: list[int], lengths: list[int], nbytes: int) -> list:
-    """zstd blobs ``view[start:start + length]`` decompressed (those of ``nbytes`` raw: as
-    they are), each exactly ``nbytes`` or ZstdError: python-zstandard's
-    ``multi_decompress_to_buffer``, one C call with the GIL released (measured 1.5x faster
-    than a call per blob on 850 Atari frames, which also takes the GIL back each time)."""
-    import zstandard
-
-    at = np.asarray(starts, np.uint64)
-    size = np.asarray(lengths, np.uint64)
-    packed = size != nbytes
-    segments = np.stack([at[packed], size[packed]], axis=1)
-    count = int(packed.sum())
-    out: list = [view[a:a + n] for a, n in zip(starts, lengths)] if count < len(size) else []
-    if count:
-        found = _zstd_decompressor().multi_decompress_to_buffer(
-            zstandard.BufferWithSegments(view, segments.tobytes()),
-            decompressed_sizes=np.full(count, nbytes, np.uint64).tobytes())
-        if not out:
-            return [found[j] for j in range(count)]
-        for j, i in enumerate(np.flatnonzero(packed).tolist()):
-            out[i] = found[j]
-    return out
-
-
-_LOCAL = threading.local()
-
-
-def _zstd_decompressor() -> Any:
-    """This thread's decompressor (they are not thread-safe)."""
-    d = getattr(_LOCAL, "zstd", None)
-    if d is None:
-        import zstandard
-        d = _LOCAL.zstd = zstandard.ZstdDecompressor()
-    return d
 
 
 def _check_zstd_sizes(source: str, view: memoryview, starts: list[int], lengths: list[int],
