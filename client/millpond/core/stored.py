@@ -57,7 +57,7 @@ import math
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
@@ -251,11 +251,12 @@ def _decode(source: str, table: FrameTable, dtype: np.dtype, frame_shape: tuple[
         raise StoredFormError(f"compressed table {source!r}: blob lengths adding up to "
                               f"{int(ends[-1]) if n else 0:,}, not its {len(data):,} bytes")
     codec = _codec(table.codec)
+    data = np.ascontiguousarray(data)
+    if table.codec == "zstd":
+        _check_zstd_sizes(source, data, ends - lens, lens, nbytes)
     starts = (ends - lens).tolist()
     lengths = lens.tolist()
-    view = memoryview(np.ascontiguousarray(data).data)
-    if table.codec == "zstd":
-        _check_zstd_sizes(source, view, starts, lengths, nbytes)
+    view = memoryview(data.data)
 
     many = codec.decompress_many
 
@@ -285,21 +286,62 @@ def _decode(source: str, table: FrameTable, dtype: np.dtype, frame_shape: tuple[
     return np.frombuffer(whole, dtype).reshape((n, *frame_shape))
 
 
-def _check_zstd_sizes(source: str, view: memoryview, starts: list[int], lengths: list[int],
+def _check_zstd_sizes(source: str, data: np.ndarray, starts: np.ndarray, lens: np.ndarray,
                       nbytes: int) -> None:
     """Every compressed zstd blob's header says ``nbytes`` (ours always carry the size):
     zstd decompresses to the size a frame's header gives, whatever ``max_output_size``
-    says, so a blob of a few KB could otherwise make a reader allocate gigabytes."""
-    import zstandard
+    says, so a blob of a few KB could otherwise make a reader allocate gigabytes. The
+    headers are read for all blobs at once (:func:`zstd_content_sizes`)."""
+    packed = lens != nbytes
+    sizes = zstd_content_sizes(data, starts[packed], lens[packed])
+    if len(sizes) and not (sizes == nbytes).all():
+        raise StoredFormError(f"compressed table {source!r}: a zstd blob whose header does "
+                              f"not give the frame's {nbytes:,} bytes (or not a zstd frame)")
 
-    try:
-        for at, n in zip(starts, lengths):
-            if n != nbytes and zstandard.frame_content_size(view[at:at + n]) != nbytes:
-                raise StoredFormError(f"compressed table {source!r}: a zstd blob whose header "
-                                      f"does not give the frame's {nbytes:,} bytes")
-    except zstandard.ZstdError as exc:
-        raise StoredFormError(f"compressed table {source!r}: a blob that is not a zstd frame "
-                              f"({exc})") from None
+
+ZSTD_MAGIC = 0xFD2FB528
+_ZSTD_HEADER_MAX = 18  # magic 4, descriptor 1, window 1, dictionary id 4, content size 8
+
+
+def _descriptor_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Per frame header descriptor byte: the content size field's bytes (0: none, or a
+    reserved bit set) and where it starts."""
+    fhd = np.arange(256)
+    single = (fhd >> 5) & 1
+    flag = fhd >> 6
+    size = np.where(flag == 0, single, 1 << flag)  # flag 0: one byte if single segment
+    size = np.where(fhd & 8, 0, size)  # the reserved bit
+    first = 5 + (1 - single) + np.array([0, 1, 2, 4])[fhd & 3]  # after window, dictionary id
+    return size, first
+
+
+_FCS_BYTES, _FCS_AT = _descriptor_tables()
+_MASKS = np.array([(1 << (8 * b)) - 1 for b in range(9)], np.uint64)
+
+
+def zstd_content_sizes(data: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The content size each zstd frame ``data[start:start + len]`` declares in its
+    header (int64), -1 where it declares none or is not a zstd frame (another magic
+    number, a reserved bit set, a header longer than the blob): what
+    ``zstandard.frame_content_size`` says of each (-1 for its errors too), read from the
+    header's bytes (RFC 8878, 3.1.1.1) of all blobs at once: 80 us instead of 250 us
+    (a call per blob) for 850 Atari frames."""
+    n = len(starts)
+    if not n or not len(data):
+        return np.full(n, -1, np.int64)
+    # The first bytes of each blob, those past its end (the next blob's: ignored below).
+    head = data[np.minimum(starts.astype(np.int64)[:, None] + np.arange(_ZSTD_HEADER_MAX),
+                           len(data) - 1)]
+    magic = np.ascontiguousarray(head[:, :4]).view("<u4")[:, 0]
+    fhd = head[:, 4]
+    size, first = _FCS_BYTES[fhd], _FCS_AT[fhd]
+    field = head[np.arange(n)[:, None], np.minimum(first[:, None] + np.arange(8),
+                                                   _ZSTD_HEADER_MAX - 1)]
+    value = np.ascontiguousarray(field).view("<u8")[:, 0] & _MASKS[size]
+    value = np.where(size == 2, value + np.uint64(256), value)
+    ok = ((magic == ZSTD_MAGIC) & (size > 0) & (first + size <= lens)
+          & (value < np.uint64(1 << 63)))
+    return np.where(ok, value.astype(np.int64), -1)
 
 
 def _gather(frames: np.ndarray, ids: np.ndarray, axis: int | None) -> np.ndarray:
