@@ -64,10 +64,13 @@ class Codec:
     (de)compressor objects are kept per thread. ``decompress_many`` is a reader's hot loop
     (hundreds of 84x84 frames a sample), so it is made tight: lz4 without keywords or a
     test per value (0.62 instead of 0.75 ms for 850 Atari frames), zstd in one GIL-free
-    call (:func:`_zstd_many`)."""
+    call (:func:`_zstd_many`). ``gil_per_value``: ``decompress_many`` takes the GIL back
+    after each value (lz4), so that threads running it at once hand the GIL to each other
+    at every value."""
 
     def __init__(self, name: str, level: int):
         self.name, self.level = name, level
+        self.gil_per_value = name == "lz4"
         self._local = threading.local()
         self.compress: Callable[[bytes], bytes]
         self.decompress: Callable[[Any, int], bytes]
