@@ -388,7 +388,8 @@ def test_zstd_header_sizes_read_at_once_agree_with_zstandard(size, level, checks
 
     def reference(b: bytes) -> int:
         try:
-            return zstandard.frame_content_size(b)
+            size = zstandard.frame_content_size(b)
+            return size if size < 1 << 63 else -1  # (no frame holds that much)
         except zstandard.ZstdError:
             return -1
     data = np.frombuffer(b"junk" + b"".join(blobs), np.uint8)

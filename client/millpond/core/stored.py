@@ -325,13 +325,14 @@ def _descriptor_tables() -> tuple[np.ndarray, np.ndarray]:
 
 
 _FCS_BYTES, _FCS_AT = _descriptor_tables()
+_WINDOW_LOG_MAX = 31  # zstd's on 64-bit: a header asking more is not a frame it reads
 _MASKS = np.array([(1 << (8 * b)) - 1 for b in range(9)], np.uint64)
 
 
 def zstd_content_sizes(data: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """The content size each zstd frame ``data[start:start + len]`` declares in its
     header (int64), -1 where it declares none or is not a zstd frame (another magic
-    number, a reserved bit set, a header longer than the blob): what
+    number, a reserved bit set, a header longer than the blob, a size of 2**63 or more): what
     ``zstandard.frame_content_size`` says of each (-1 for its errors too), read from the
     header's bytes (RFC 8878, 3.1.1.1) of all blobs at once: 80 us instead of 250 us
     (a call per blob) for 850 Atari frames."""
@@ -348,8 +349,10 @@ def zstd_content_sizes(data: np.ndarray, starts: np.ndarray, lens: np.ndarray) -
                                                    _ZSTD_HEADER_MAX - 1)]
     value = np.ascontiguousarray(field).view("<u8")[:, 0] & _MASKS[size]
     value = np.where(size == 2, value + np.uint64(256), value)
+    windowed = (fhd & 0x20) == 0  # not single segment: a window descriptor follows
     ok = ((magic == ZSTD_MAGIC) & (size > 0) & (first + size <= lens)
-          & (value < np.uint64(1 << 63)))
+          & (value < np.uint64(1 << 63))
+          & ~(windowed & (10 + (head[:, 5] >> 3) > _WINDOW_LOG_MAX)))
     return np.where(ok, value.astype(np.int64), -1)
 
 
