@@ -7,14 +7,19 @@ that made it had installed; the wheels are small and exist for CPython 3.10-3.13
 Linux, macOS and Windows):
 
 * ``"lz4"``, python-lz4's block format (``lz4.block``): the fastest to decompress
-  (about 1 us for an 84x84 Atari frame on the 2-core development machine) and to
-  compress (3-6 us), at 17-30x on Atari frames (230-400 bytes a frame). Levels: 0 (the
-  default: LZ4's fast mode), 1-12 (LZ4 HC: a little smaller, much slower pushes).
-* ``"zstd"``, python-zstandard (``zstandard``, its C backend): 1.4-1.5x smaller than lz4
-  on Atari frames (155-290 bytes a frame), 2-4x slower to decompress (1.3-3.3 us) and
-  slower to compress (12-30 us a frame). Levels -7 to 22; default 3 (zstd's own; on
-  these frames levels 1 and 3 decompress alike, negative ones are larger and hardly
-  faster). So lz4 for the learner's speed, zstd for the most records in RAM.
+  (0.65-0.85 us for an 84x84 Atari frame in a reader's loop on the 2-core development
+  machine) and to compress (3-6 us), at 17-30x on Atari frames (230-410 bytes a frame).
+  Levels: 0 (the default: LZ4's fast mode), 1-12 (LZ4 HC: a little smaller, much slower
+  pushes).
+* ``"zstd"``, python-zstandard (``zstandard``, its C backend): 1.2-1.5x smaller than lz4
+  on Atari frames at its default level (160-340 bytes a frame), 1.2-1.7x slower to
+  decompress (0.8-1.35 us a frame, many in one call). Levels -7 to 22; default -1:
+  zstd's negative levels store literals without Huffman coding, and on these frames
+  level -1 decompresses 1.2x (Pong) to 1.8x (Breakout) faster than zstd's own default,
+  3, for 0-15% more bytes, and compresses faster (levels 1 and 3 decompress alike; below
+  -1 frames grow and decompress no faster). A level is the writer's choice only: frames
+  of any level read alike (a buffer written at 3, the default before, reads as it did).
+  So lz4 for the learner's speed, zstd for the most records in RAM.
 
 Both release the GIL while they (de)compress, so large values are (de)compressed on
 threads (see :mod:`.arena`). Both are maintained, with wheels for every CPython we support;

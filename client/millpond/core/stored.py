@@ -69,12 +69,12 @@ INDEX_DTYPE = np.dtype("<i4")
 LEN_DTYPE = np.dtype("<u4")
 PREFIX = "@"
 # A compressed table is decompressed on two threads (a half each) when it has at least this
-# many frames: both codecs release the GIL while they work, but an 84x84 frame takes 1-3 us
-# and a handoff about as much. Measured on the 2-core development machine (Atari frames):
-# sample(256) of 430-850 distinct frames rebuilt on two threads at 0.9-1.1x of one
-# (bench/bench_pixels.py prints it); 850 zstd frames, decompressed in one GIL-free call per
-# thread (see codecs._zstd_many), at 0.9x; 2,700 frames at 1.27x with zstd (a call per frame) and
-# 1.0x with lz4.
+# many frames (lz4), or a quarter of it (zstd): both codecs release the GIL while they
+# work, but lz4 takes it back after each frame (0.7-0.8 us of work), zstd once per half
+# (see codecs._zstd_many). Measured on the 2-core development machine, sample(256) of
+# Atari frames (800-850 distinct) over gRPC on two threads: lz4 0.82-0.87x of one (the
+# bench's "decompressing on 2 threads"), zstd 0.97-1.14x, and 2.7-3.0 instead of 2.8-3.6
+# ms a call (sampler(prefetch=4): 0.93-1.08x); earlier, 2,700 frames at 1.0x with lz4.
 PARALLEL_FRAMES = int(os.environ.get("MILLPOND_REBUILD_PARALLEL_FRAMES", 0)) or 2048
 THREADS = 2
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -277,7 +277,7 @@ def _decode(source: str, table: FrameTable, dtype: np.dtype, frame_shape: tuple[
         return parts
 
     with _TURNS if codec.gil_per_value else contextlib.nullcontext():
-        if n < PARALLEL_FRAMES:
+        if n < (PARALLEL_FRAMES if codec.gil_per_value else PARALLEL_FRAMES // 4):
             parts = run(0, n)
         else:
             half = n // 2
