@@ -183,6 +183,7 @@ def test_a_daemon_returns_the_arrays_of_a_plain_buffer(served, shm):
             buffer = client.buffer(name)
             for seed in range(2):
                 same(local.sample(4, seed), buffer.sample(4, seed))  # a message on a stream
+                # (after the first, on a stream too where the stored form came small)
                 same(local.sample(200, seed), buffer.sample(200, seed))
                 same(*windows(plain.sample_sequences(4, 8, seed), buffer.sample_sequences(4, 8, seed)))
 

@@ -16,10 +16,11 @@ Linux, macOS and Windows):
   decompress (0.8-1.35 us a frame, many in one call). Levels -7 to 22; default -1:
   zstd's negative levels store literals without Huffman coding, and on these frames
   level -1 decompresses 1.2x (Pong) to 1.8x (Breakout) faster than zstd's own default,
-  3, for 0-15% more bytes, and compresses in 3-4 instead of 5-6 us a frame (levels 1 and 3
-  decompress alike; below -1 frames grow and decompress no faster). A level is the writer's choice only: frames
-  of any level read alike (a buffer written at 3, the default before, reads as it did).
-  So lz4 for the learner's speed, zstd for the most records in RAM.
+  3, for 0-15% more bytes, and compresses in 3-4 instead of 5-6 us a frame (levels 1 and
+  3 decompress alike; below -1 frames grow and decompress no faster). A level is the
+  writer's choice only: frames of any level read alike (a buffer written at 3, the
+  default before, reads as it did). So lz4 for the learner's speed, zstd for the most
+  records in RAM.
 
 Both release the GIL while they (de)compress, so large values are (de)compressed on
 threads (see :mod:`.arena`). Both are maintained, with wheels for every CPython we support;
