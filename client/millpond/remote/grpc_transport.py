@@ -251,6 +251,8 @@ class GrpcTransport:
         streamed = small or self._small_stored.get(key, False)
         columns = self._columns(self.invoke(self._sample, request, deadline, streamed))
         if not small:  # whether the next such sample goes on the stream (see above)
+            if len(self._small_stored) >= 1024:  # (batch sizes that keep changing)
+                self._small_stored.clear()
             self._small_stored[key] = (
                 any(name.startswith(STORED_PREFIX) for name in columns)
                 and sum(column.nbytes for column in columns.values())
