@@ -181,7 +181,7 @@ def test_config_checks_and_round_trips(tmp_path):
             {**config.sampling_meta(), "hot_capacity": 10, "total_capacity": 10},
             config.stored_schema) == config
     assert BufferConfig.build(capacity=10, fields=fields, **FRAMES, compression="zstd").compression \
-        == (("img", "zstd", 3), ("obs", "zstd", 3))  # large units only: frames, img; not "a"
+        == (("img", "zstd", -1), ("obs", "zstd", -1))  # large units only: frames, img; not "a"
     assert BufferConfig.build(capacity=10, fields={"a": ("int64", ())},
                               compression="zstd").compression == ()
     bad = [dict(compression="gzip"), dict(compression=("zstd", 23)), dict(compression=("lz4", -1)),

@@ -16,6 +16,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support import ServerProcess
 from test_pixels import fields_of, same, synthetic
 
@@ -181,6 +183,7 @@ def test_a_daemon_returns_the_arrays_of_a_plain_buffer(served, shm):
             buffer = client.buffer(name)
             for seed in range(2):
                 same(local.sample(4, seed), buffer.sample(4, seed))  # a message on a stream
+                # (after the first, on a stream too where the stored form came small)
                 same(local.sample(200, seed), buffer.sample(200, seed))
                 same(*windows(plain.sample_sequences(4, 8, seed), buffer.sample_sequences(4, 8, seed)))
 
@@ -362,3 +365,41 @@ def test_tables_decompressed_on_threads_rebuild_the_same(monkeypatch, combo):
     batch = StoredBatch.from_columns(columns)
     assert batch is not None
     same(plain, batch.rebuild(schema))
+
+
+@settings(max_examples=300, deadline=None)
+@given(size=st.integers(0, 70_000), level=st.integers(-5, 5), checksum=st.booleans(),
+       content_size=st.booleans(), cut=st.integers(0, 20),
+       flips=st.lists(st.tuples(st.integers(0, 17), st.integers(0, 255)), max_size=3))
+def test_zstd_header_sizes_read_at_once_agree_with_zstandard(size, level, checksum,
+                                                            content_size, cut, flips):
+    """zstd_content_sizes (every blob's header at once, for the check before decompressing)
+    says what zstandard.frame_content_size says of each blob (-1 for its errors), on
+    frames of any size and settings, with bytes of their headers changed and cut short."""
+    import zstandard
+
+    from millpond.core.stored import zstd_content_sizes
+    blob = bytearray(zstandard.ZstdCompressor(
+        level=level, write_checksum=checksum, write_content_size=content_size,
+        write_dict_id=False).compress(bytes(range(256)) * (size // 256) + bytes(size % 256)))
+    for at, value in flips:
+        if at < len(blob):
+            blob[at] = value
+    blobs = [bytes(blob), bytes(blob[:cut]) or b"\x00", bytes(blob[:len(blob) - cut]) or b"\x00"]
+
+    def reference(b: bytes) -> int:
+        try:
+            size = zstandard.frame_content_size(b)
+            return size if size < 1 << 63 else -1  # (no frame holds that much)
+        except zstandard.ZstdError:
+            return -1
+    data = np.frombuffer(b"junk" + b"".join(blobs), np.uint8)
+    lens = np.array([len(b) for b in blobs], np.int64)
+    starts = 4 + np.cumsum(lens) - lens
+    expected = [reference(b) for b in blobs]
+    found = zstd_content_sizes(data, starts, lens).tolist()
+    for b, want, got in zip(blobs, expected, found):
+        if int.from_bytes(b[:4], "little") & 0xFFFFFFF0 == 0x184D2A50:  # skippable: no size
+            assert got == -1
+        else:
+            assert got == want, (b[:18].hex(), want, got)

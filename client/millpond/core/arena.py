@@ -309,10 +309,18 @@ class Arena:
         decompresses elsewhere is sent)."""
         slots = frame_ids % self.capacity
         lens = self.lens[slots]
+        if not len(slots):
+            return np.empty(0, np.uint8), lens
+        starts = self.offs[slots] % self.lap
+        ends = starts + lens
+        # One join of views of the runs of blobs that lie one after the other in the ring
+        # (a sample's frames come in runs of consecutive ids): 4x faster than a take of one
+        # index per byte, and than a view per blob (850 Atari blobs in 150-250 runs).
+        cut = np.flatnonzero(starts[1:] != ends[:-1]) + 1
         data = memoryview(self.data.data)
-        # One join of views: 4x faster than a take of one index per byte (850 Atari blobs).
-        joined = b"".join([data[at:at + n] for at, n in
-                           zip((self.offs[slots] % self.lap).tolist(), lens.tolist())])
+        joined = b"".join(map(data.__getitem__, map(
+            slice, starts[np.concatenate([[0], cut])].tolist(),
+            ends[np.concatenate([cut - 1, [len(ends) - 1]])].tolist())))
         return np.frombuffer(joined, np.uint8), lens
 
     def read(self, frame_ids: np.ndarray) -> np.ndarray:

@@ -7,14 +7,20 @@ that made it had installed; the wheels are small and exist for CPython 3.10-3.13
 Linux, macOS and Windows):
 
 * ``"lz4"``, python-lz4's block format (``lz4.block``): the fastest to decompress
-  (about 1 us for an 84x84 Atari frame on the 2-core development machine) and to
-  compress (3-6 us), at 17-30x on Atari frames (230-400 bytes a frame). Levels: 0 (the
-  default: LZ4's fast mode), 1-12 (LZ4 HC: a little smaller, much slower pushes).
-* ``"zstd"``, python-zstandard (``zstandard``, its C backend): 1.4-1.5x smaller than lz4
-  on Atari frames (155-290 bytes a frame), 2-4x slower to decompress (1.3-3.3 us) and
-  slower to compress (12-30 us a frame). Levels -7 to 22; default 3 (zstd's own; on
-  these frames levels 1 and 3 decompress alike, negative ones are larger and hardly
-  faster). So lz4 for the learner's speed, zstd for the most records in RAM.
+  (0.65-0.85 us for an 84x84 Atari frame in a reader's loop on the 2-core development
+  machine) and to compress (3-6 us), at 17-30x on Atari frames (230-410 bytes a frame).
+  Levels: 0 (the default: LZ4's fast mode), 1-12 (LZ4 HC: a little smaller, much slower
+  pushes).
+* ``"zstd"``, python-zstandard (``zstandard``, its C backend): 1.2-1.5x smaller than lz4
+  on Atari frames at its default level (160-340 bytes a frame), 1.2-1.7x slower to
+  decompress (0.8-1.35 us a frame, many in one call). Levels -7 to 22; default -1:
+  zstd's negative levels store literals without Huffman coding, and on these frames
+  level -1 decompresses 1.2x (Pong) to 1.8x (Breakout) faster than zstd's own default,
+  3, for 0-15% more bytes, and compresses in 3-4 instead of 5-6 us a frame (levels 1 and
+  3 decompress alike; below -1 frames grow and decompress no faster). A level is the
+  writer's choice only: frames of any level read alike (a buffer written at 3, the
+  default before, reads as it did). So lz4 for the learner's speed, zstd for the most
+  records in RAM.
 
 Both release the GIL while they (de)compress, so large values are (de)compressed on
 threads (see :mod:`.arena`). Both are maintained, with wheels for every CPython we support;
@@ -40,13 +46,17 @@ compressed source field.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import threading
 from typing import Any, Callable, Mapping
+
+import numpy as np
 
 from millpond.errors import InvalidConfigError
 
 MIN_BYTES = 1024  # the smallest unit of storage that is compressed
-LEVELS = {"lz4": (0, 12, 0), "zstd": (-7, 22, 3)}  # codec: (lowest, highest, default)
+LEVELS = {"lz4": (0, 12, 0), "zstd": (-7, 22, -1)}  # codec: (lowest, highest, default)
 CODECS = tuple(LEVELS)
 
 
@@ -54,15 +64,23 @@ class Codec:
     """One codec at one level: ``compress(bytes) -> bytes``,
     ``decompress(buffer, nbytes) -> bytes`` (``nbytes``: the value's size, known to the
     reader) and ``decompress_many(data, starts, lengths, nbytes)``, the values stored at
-    ``data[start:start + length]`` (those of length ``nbytes`` raw: copied), in one tight
-    loop. Thread-safe: zstd's (de)compressor objects are kept per thread."""
+    ``data[start:start + length]`` (those of length ``nbytes`` raw: as they are), as a list
+    of bytes-like parts, each at most ``nbytes`` long (a part of another length is a blob
+    that lied: the caller checks), or the codec's error. Thread-safe: zstd's
+    (de)compressor objects are kept per thread. ``decompress_many`` is a reader's hot loop
+    (hundreds of 84x84 frames a sample), so it is made tight: lz4 without keywords or a
+    test per value (0.62 instead of 0.75 ms for 850 Atari frames), zstd in one GIL-free
+    call (:func:`_zstd_many`). ``gil_per_value``: ``decompress_many`` takes the GIL back
+    after each value (lz4), so that threads running it at once hand the GIL to each other
+    at every value."""
 
     def __init__(self, name: str, level: int):
         self.name, self.level = name, level
+        self.gil_per_value = name == "lz4"
         self._local = threading.local()
         self.compress: Callable[[bytes], bytes]
         self.decompress: Callable[[Any, int], bytes]
-        self.decompress_many: Callable[[memoryview, list[int], list[int], int], list[bytes]]
+        self.decompress_many: Callable[[memoryview, list[int], list[int], int], list[Any]]
         if name == "lz4":
             block = _module("lz4.block", "lz4")
             if level:
@@ -77,11 +95,14 @@ class Codec:
                 return block.decompress(data, uncompressed_size=nbytes)
 
             def many(data: memoryview, starts: list[int], lengths: list[int],
-                     nbytes: int) -> list[bytes]:
-                unpack = block.decompress
-                return [bytes(data[at:at + n]) if n == nbytes
-                        else unpack(data[at:at + n], uncompressed_size=nbytes)
-                        for at, n in zip(starts, lengths)]
+                     nbytes: int) -> list[Any]:
+                unpack = block.decompress  # (source, uncompressed_size): positional is faster
+                if nbytes in lengths:  # raw values among them (rare: noise that does not shrink)
+                    return [data[at:at + n] if n == nbytes else unpack(data[at:at + n], nbytes)
+                            for at, n in zip(starts, lengths)]
+                return list(map(unpack, map(data.__getitem__,
+                                            map(slice, starts, map(operator.add, starts, lengths))),
+                                itertools.repeat(nbytes)))
             self.compress, self.decompress, self.decompress_many = compress, decompress, many
         else:
             zstd = _module("zstandard", "zstandard")
@@ -95,25 +116,56 @@ class Codec:
                                                       write_dict_id=False)
                 return c.compress(raw)
 
-            def decompressor() -> Any:
-                d = getattr(local, "d", None)
-                if d is None:
-                    d = local.d = zstd.ZstdDecompressor()
-                return d
-
             def zdecompress(data: Any, nbytes: int) -> bytes:
-                return decompressor().decompress(data, max_output_size=nbytes)
-
-            def zmany(data: memoryview, starts: list[int], lengths: list[int],
-                      nbytes: int) -> list[bytes]:
-                unpack = decompressor().decompress
-                return [bytes(data[at:at + n]) if n == nbytes
-                        else unpack(data[at:at + n], max_output_size=nbytes)
-                        for at, n in zip(starts, lengths)]
-            self.compress, self.decompress, self.decompress_many = zcompress, zdecompress, zmany
+                return _zstd_decompressor().decompress(data, max_output_size=nbytes)
+            self.compress, self.decompress, self.decompress_many = zcompress, zdecompress, _zstd_many
 
     def __repr__(self) -> str:
         return f"Codec({self.name!r}, {self.level})"
+
+
+_LOCAL = threading.local()
+
+
+def _zstd_decompressor() -> Any:
+    """This thread's zstd decompressor (they are not thread-safe)."""
+    d = getattr(_LOCAL, "zstd", None)
+    if d is None:
+        import zstandard
+        d = _LOCAL.zstd = zstandard.ZstdDecompressor()
+    return d
+
+
+def _zstd_many(data: memoryview, starts: list[int], lengths: list[int], nbytes: int
+               ) -> list[Any]:
+    """zstd blobs ``data[start:start + length]`` decompressed (those of ``nbytes`` raw: as
+    they are), each exactly ``nbytes`` or ZstdError: python-zstandard's
+    ``multi_decompress_to_buffer`` with every output's size given (it allocates those sizes,
+    whatever a blob's header says, and fails a blob that decompresses to any other), one C
+    call with the GIL released: 1.2-1.5x faster than a call per blob on 850 Atari frames,
+    each of which also takes the GIL back."""
+    import zstandard
+
+    n = len(starts)
+    if not n:
+        return []
+    at = np.asarray(starts, np.uint64)
+    size = np.asarray(lengths, np.uint64)
+    packed = size != nbytes
+    count = int(np.count_nonzero(packed))
+    if count:
+        segments = np.stack([at[packed], size[packed]], axis=1) if count < n else \
+            np.stack([at, size], axis=1)
+        found = _zstd_decompressor().multi_decompress_to_buffer(
+            zstandard.BufferWithSegments(data, segments.tobytes()),
+            decompressed_sizes=np.full(count, nbytes, np.uint64).tobytes())
+        if count == n:
+            return list(map(found.__getitem__, range(count)))
+    out: list[Any] = [data[a:a + length] for a, length in zip(starts, lengths)]
+    if count:
+        for j, i in enumerate(np.flatnonzero(packed).tolist()):
+            out[i] = found[j]
+    return out
 
 
 def _module(name: str, package: str) -> Any:

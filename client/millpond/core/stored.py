@@ -53,11 +53,12 @@ a plain one (an older daemon's).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import math
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
@@ -68,16 +69,23 @@ INDEX_DTYPE = np.dtype("<i4")
 LEN_DTYPE = np.dtype("<u4")
 PREFIX = "@"
 # A compressed table is decompressed on two threads (a half each) when it has at least this
-# many frames: both codecs release the GIL while they work, but an 84x84 frame takes 1-3 us
-# and a handoff about as much. Measured on the 2-core development machine (Atari frames):
-# sample(256) of 430-850 distinct frames rebuilt on two threads at 0.9-1.1x of one
-# (bench/bench_pixels.py prints it); 850 zstd frames, decompressed in one GIL-free call per
-# thread (see _zstd_many), at 0.9x; 2,700 frames at 1.27x with zstd (a call per frame) and
-# 1.0x with lz4.
+# many frames (lz4), or a quarter of it (zstd): both codecs release the GIL while they
+# work, but lz4 takes it back after each frame (0.7-0.8 us of work), zstd once per half
+# (see codecs._zstd_many). Measured on the 2-core development machine, sample(256) of
+# Atari frames (800-850 distinct) over gRPC on two threads: lz4 0.82-0.87x of one (the
+# bench's "decompressing on 2 threads"), zstd 0.97-1.14x, and 2.7-3.0 instead of 2.8-3.6
+# ms a call (sampler(prefetch=4): 0.93-1.08x); earlier, 2,700 frames at 1.0x with lz4.
 PARALLEL_FRAMES = int(os.environ.get("MILLPOND_REBUILD_PARALLEL_FRAMES", 0)) or 2048
 THREADS = 2
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
+# Tables of a codec that takes the GIL back after each value (lz4: every ~1 us) decompress
+# one at a time in a process: two threads doing so at once (a sampler's prefetching
+# threads) hand the GIL to each other at every frame. Measured on the 2-core development
+# machine, sampler(256, prefetch=4) of Atari frames over gRPC: 75-80 context switches and
+# 0.7-1.2 ms of system time per sample without turns, 18 and 0.3-0.5 ms with them, and
+# 1.15-1.25x the samples per second. zstd's tables (one GIL-free call) need no turns.
+_TURNS = threading.Lock()
 _CODECS: dict[str, Codec] = {}
 
 
@@ -251,13 +259,14 @@ def _decode(source: str, table: FrameTable, dtype: np.dtype, frame_shape: tuple[
         raise StoredFormError(f"compressed table {source!r}: blob lengths adding up to "
                               f"{int(ends[-1]) if n else 0:,}, not its {len(data):,} bytes")
     codec = _codec(table.codec)
+    data = np.ascontiguousarray(data)
+    if table.codec == "zstd":
+        _check_zstd_sizes(source, data, ends - lens, lens, nbytes)
     starts = (ends - lens).tolist()
     lengths = lens.tolist()
-    view = memoryview(np.ascontiguousarray(data).data)
-    if table.codec == "zstd":
-        _check_zstd_sizes(source, view, starts, lengths, nbytes)
+    view = memoryview(data.data)
 
-    many = _zstd_many if table.codec == "zstd" else codec.decompress_many
+    many = codec.decompress_many
 
     def run(lo: int, hi: int) -> list:
         try:
@@ -267,16 +276,17 @@ def _decode(source: str, table: FrameTable, dtype: np.dtype, frame_shape: tuple[
                                   f"decompress ({type(exc).__name__}: {exc})") from None
         return parts
 
-    if n < PARALLEL_FRAMES:
-        parts = run(0, n)
-    else:
-        half = n // 2
-        future = _pool().submit(run, half, n)
-        parts = run(0, half)
-        parts += future.result()
+    with _TURNS if codec.gil_per_value else contextlib.nullcontext():
+        if n < (PARALLEL_FRAMES if codec.gil_per_value else PARALLEL_FRAMES // 4):
+            parts = run(0, n)
+        else:
+            half = n // 2
+            future = _pool().submit(run, half, n)
+            parts = run(0, half)
+            parts += future.result()
     whole = b"".join(parts)
     # Neither codec writes past the size it is given (lz4's uncompressed_size, zstd's
-    # max_output_size), and raw blobs are exactly it: so no part is longer than a frame,
+    # decompressed_sizes), and raw blobs are exactly it: so no part is longer than a frame,
     # and the whole is n frames only if every part is one.
     if len(whole) != n * nbytes:
         wrong = next(len(part) for part in parts if len(part) != nbytes)
@@ -285,57 +295,65 @@ def _decode(source: str, table: FrameTable, dtype: np.dtype, frame_shape: tuple[
     return np.frombuffer(whole, dtype).reshape((n, *frame_shape))
 
 
-def _zstd_many(view: memoryview, starts: list[int], lengths: list[int], nbytes: int) -> list:
-    """zstd blobs ``view[start:start + length]`` decompressed (those of ``nbytes`` raw: as
-    they are), each exactly ``nbytes`` or ZstdError: python-zstandard's
-    ``multi_decompress_to_buffer``, one C call with the GIL released (measured 1.5x faster
-    than a call per blob on 850 Atari frames, which also takes the GIL back each time)."""
-    import zstandard
-
-    at = np.asarray(starts, np.uint64)
-    size = np.asarray(lengths, np.uint64)
-    packed = size != nbytes
-    segments = np.stack([at[packed], size[packed]], axis=1)
-    count = int(packed.sum())
-    out: list = [view[a:a + n] for a, n in zip(starts, lengths)] if count < len(size) else []
-    if count:
-        found = _zstd_decompressor().multi_decompress_to_buffer(
-            zstandard.BufferWithSegments(view, segments.tobytes()),
-            decompressed_sizes=np.full(count, nbytes, np.uint64).tobytes())
-        if not out:
-            return [found[j] for j in range(count)]
-        for j, i in enumerate(np.flatnonzero(packed).tolist()):
-            out[i] = found[j]
-    return out
-
-
-_LOCAL = threading.local()
-
-
-def _zstd_decompressor() -> Any:
-    """This thread's decompressor (they are not thread-safe)."""
-    d = getattr(_LOCAL, "zstd", None)
-    if d is None:
-        import zstandard
-        d = _LOCAL.zstd = zstandard.ZstdDecompressor()
-    return d
-
-
-def _check_zstd_sizes(source: str, view: memoryview, starts: list[int], lengths: list[int],
+def _check_zstd_sizes(source: str, data: np.ndarray, starts: np.ndarray, lens: np.ndarray,
                       nbytes: int) -> None:
     """Every compressed zstd blob's header says ``nbytes`` (ours always carry the size):
     zstd decompresses to the size a frame's header gives, whatever ``max_output_size``
-    says, so a blob of a few KB could otherwise make a reader allocate gigabytes."""
-    import zstandard
+    says, so a blob of a few KB could otherwise make a reader allocate gigabytes. The
+    headers are read for all blobs at once (:func:`zstd_content_sizes`)."""
+    packed = lens != nbytes
+    sizes = zstd_content_sizes(data, starts[packed], lens[packed])
+    if len(sizes) and not (sizes == nbytes).all():
+        raise StoredFormError(f"compressed table {source!r}: a zstd blob whose header does "
+                              f"not give the frame's {nbytes:,} bytes (or not a zstd frame)")
 
-    try:
-        for at, n in zip(starts, lengths):
-            if n != nbytes and zstandard.frame_content_size(view[at:at + n]) != nbytes:
-                raise StoredFormError(f"compressed table {source!r}: a zstd blob whose header "
-                                      f"does not give the frame's {nbytes:,} bytes")
-    except zstandard.ZstdError as exc:
-        raise StoredFormError(f"compressed table {source!r}: a blob that is not a zstd frame "
-                              f"({exc})") from None
+
+ZSTD_MAGIC = 0xFD2FB528
+_ZSTD_HEADER_MAX = 18  # magic 4, descriptor 1, window 1, dictionary id 4, content size 8
+
+
+def _descriptor_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Per frame header descriptor byte: the content size field's bytes (0: none, or a
+    reserved bit set) and where it starts."""
+    fhd = np.arange(256)
+    single = (fhd >> 5) & 1
+    flag = fhd >> 6
+    size = np.where(flag == 0, single, 1 << flag)  # flag 0: one byte if single segment
+    size = np.where(fhd & 8, 0, size)  # the reserved bit
+    first = 5 + (1 - single) + np.array([0, 1, 2, 4])[fhd & 3]  # after window, dictionary id
+    return size, first
+
+
+_FCS_BYTES, _FCS_AT = _descriptor_tables()
+_WINDOW_LOG_MAX = 31  # zstd's on 64-bit: a header asking more is not a frame it reads
+_MASKS = np.array([(1 << (8 * b)) - 1 for b in range(9)], np.uint64)
+
+
+def zstd_content_sizes(data: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The content size each zstd frame ``data[start:start + len]`` declares in its
+    header (int64), -1 where it declares none or is not a zstd frame (another magic
+    number, a reserved bit set, a header longer than the blob, a size of 2**63 or more): what
+    ``zstandard.frame_content_size`` says of each (-1 for its errors too), read from the
+    header's bytes (RFC 8878, 3.1.1.1) of all blobs at once: 80 us instead of 250 us
+    (a call per blob) for 850 Atari frames."""
+    n = len(starts)
+    if not n or not len(data):
+        return np.full(n, -1, np.int64)
+    # The first bytes of each blob, those past its end (the next blob's: ignored below).
+    head = data[np.minimum(starts.astype(np.int64)[:, None] + np.arange(_ZSTD_HEADER_MAX),
+                           len(data) - 1)]
+    magic = np.ascontiguousarray(head[:, :4]).view("<u4")[:, 0]
+    fhd = head[:, 4]
+    size, first = _FCS_BYTES[fhd], _FCS_AT[fhd]
+    field = head[np.arange(n)[:, None], np.minimum(first[:, None] + np.arange(8),
+                                                   _ZSTD_HEADER_MAX - 1)]
+    value = np.ascontiguousarray(field).view("<u8")[:, 0] & _MASKS[size]
+    value = np.where(size == 2, value + np.uint64(256), value)
+    windowed = (fhd & 0x20) == 0  # not single segment: a window descriptor follows
+    ok = ((magic == ZSTD_MAGIC) & (size > 0) & (first + size <= lens)
+          & (value < np.uint64(1 << 63))
+          & ~(windowed & (10 + (head[:, 5] >> 3) > _WINDOW_LOG_MAX)))
+    return np.where(ok, value.astype(np.int64), -1)
 
 
 def _gather(frames: np.ndarray, ids: np.ndarray, axis: int | None) -> np.ndarray:

@@ -50,6 +50,7 @@ from millpond.core.info import BufferInfo
 from millpond.core.schema import Schema
 from millpond.core.sequences import Spec, n_step_specs, read_specs, sequence_specs
 from millpond.core.snapshot import CheckpointResult
+from millpond.core.stored import PREFIX as STORED_PREFIX
 from millpond.errors import (
     DeadlineExceededError,
     ProtocolError,
@@ -75,6 +76,12 @@ from millpond.wire.status import error_from_rpc
 # the next one arrives, and a reply that came on a stream is not handed out as writable
 # views (gRPC keeps a reference to it): large ones go as calls.
 STREAMED_MAX_BYTES = 64 << 10
+# A sample of a buffer whose replies arrived in the stored form (see
+# millpond.core.stored) of at most this goes on the thread's stream too, whatever its
+# plain size: compressed frames make a few hundred KB of a 14.5 MB Atari sample(256), and
+# the call's setup cost the daemon 0.3 ms a sample of its 1 ms (the copy of the columns a
+# streamed reply costs is of those few hundred KB: the arrays are rebuilt anyway).
+STORED_STREAMED_MAX_BYTES = 1 << 20
 # Backoff between retries of a call the server answered "starting".
 _RETRY_FIRST, _RETRY_MAX = 0.05, 1.0
 
@@ -112,6 +119,8 @@ class GrpcTransport:
         self._push_stream = channel.stream_stream(
             "/millpond.v1.Replay/PushBatchStream", request_serializer=None,
             response_deserializer=pb.PushReply.FromString)
+        # (buffer, batch_size) of samples whose last reply was a small stored form.
+        self._small_stored: dict[tuple[str, int], bool] = {}
         self._streamed: dict[Callable, grpc.StreamStreamMultiCallable] = {
             self._push_batch: self._push_stream,
             self._sample: channel.stream_stream(
@@ -238,7 +247,16 @@ class GrpcTransport:
                                        timeout=timeout, filter_meta=encode_meta(filter_meta),
                                        stored_form=True).SerializeToString()
         small = batch_size * schema.record_nbytes <= STREAMED_MAX_BYTES
-        columns = self._columns(self.invoke(self._sample, request, deadline, small))
+        key = (buffer, batch_size)
+        streamed = small or self._small_stored.get(key, False)
+        columns = self._columns(self.invoke(self._sample, request, deadline, streamed))
+        if not small:  # whether the next such sample goes on the stream (see above)
+            if len(self._small_stored) >= 1024:  # (batch sizes that keep changing)
+                self._small_stored.clear()
+            self._small_stored[key] = (
+                any(name.startswith(STORED_PREFIX) for name in columns)
+                and sum(column.nbytes for column in columns.values())
+                <= STORED_STREAMED_MAX_BYTES)
         what = f"sample({batch_size})"
         return self._checked(replies.rebuilt(columns, schema, what, self.address),
                              _sample_specs(schema, batch_size, extras), what)
