@@ -320,7 +320,7 @@ def test_a_daemon_backs_up_compressed_buffers_while_pushes_go_on_and_restores_th
             assert blocks <= on_disk(backups / "nightly" / f"{name}.buffer")[0] + (64 << 10)
     with ServerProcess(tmp_path / "restored") as server:
         client = millpond.connect(server.address)
-        assert client.info("framed").config.compression == (("obs", "zstd", 3),)
+        assert client.info("framed").config.compression == (("obs", "zstd", -1),)
         values = client.buffer("values")
         for seed, sample in expected.items():
             same(values.sample(32, seed), sample)
@@ -370,7 +370,7 @@ def test_inspect_checks_compressed_blobs_and_names_the_records_they_isolate(tmp_
     code, out = inspect_cli(path)
     assert code == 0, out
     assert "format    version 7" in out
-    codec = "zstd, level 3" if "zstd" in combo else "lz4, level 0"
+    codec = "zstd, level -1" if "zstd" in combo else "lz4, level 0"
     shape = "32,40" if "frames" in combo else "4,32,40"  # (without frames: a value is a frame)
     assert (f"; compressed ({codec}), {ring.capacity:,} frames |u1[{shape}] as blobs in a ring "
             f"of {ring.lap:,} bytes (up to {ring.limit:,})") in out, out
