@@ -188,7 +188,7 @@ def remote_learner(recorded: dict, quick: bool, seconds: float) -> None:
                             f"{statistics.median(ratios[label][1]):.2f}x")
                     if label in threaded:
                         line += (f"; decompressing on 2 threads: "
-                                 f"{statistics.median(threaded[label]):.2f}x 1")
+                                 f"{statistics.median(threaded[label]):.2f}x one")
                     print(line)
         finally:
             for bare in bares:
