@@ -6,13 +6,15 @@ is one step of the 16 environments (16 records, one per stream: interleaved writ
 record sharing frames with the one 16 records before it), replayed until the time is up.
 Three patterns of pushes: one transition per push (the environments in turn), 32
 consecutive transitions of one environment per push (actors, in turn), a step of all 16
-per push; in-process and into a daemon over gRPC (remote actors). The figure is the frame
-buffer's rate over the plain buffer's, measured in turns (issue 26's target: at least
-0.7x). Run alone: ``python bench/bench.py --only pixels``.
+per push; in-process, with every record in RAM, tiered (a quarter in RAM, the rest in a
+file: a buffer larger than RAM) and persistent (as the daemon keeps its buffers), and into
+a daemon over gRPC (remote actors). The figure is the frame buffer's rate over the plain
+buffer's with the same layout, measured in turns (issue 26's target: at least 0.7x). Run alone: ``python bench/bench.py --only pixels``.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -51,17 +53,24 @@ def pushes(data: dict[str, np.ndarray], pattern: str) -> list[dict[str, np.ndarr
 
 
 def push_rates(data: dict[str, np.ndarray], pattern: str, capacity: int, seconds: float,
-               timed_rate: Callable, address: str | None = None, rounds: int = 3
-               ) -> dict[str, float]:
+               timed_rate: Callable, address: str | None = None, layout: str = "ram",
+               directory: Path | None = None, rounds: int = 3) -> dict[str, float]:
     """Transitions/s pushed into each buffer (median of ``rounds`` turns): in-process, or
-    into a daemon's buffers at ``address`` over gRPC."""
+    into a daemon's buffers at ``address`` over gRPC. In-process ``layout``: "ram" (every
+    record in RAM), "tiered" (a quarter in RAM, the rest in a file in ``directory``: how a
+    buffer larger than RAM is kept) or "persistent" (that file also recoverable: how the
+    daemon keeps its buffers)."""
     fields = {name: (data[name].dtype.str, data[name].shape[1:]) for name in NAMES}
     batches = pushes(data, pattern)
     size = len(batches[0]["obs"])
     if address is None:
-        buffers = {label: TieredBuffer(BufferConfig.build(capacity=capacity, fields=fields,
-                                                          **options))
-                   for label, options in (("plain", {}), ("shared", OPTIONS))}
+        sizes = (dict(capacity=capacity) if layout == "ram" else
+                 dict(hot_capacity=capacity // 4, total_capacity=capacity))
+        buffers = {label: TieredBuffer(
+            BufferConfig.build(fields=fields, **sizes, **options),
+            None if directory is None else directory / f"{pattern}-{layout}-{label}.buffer",
+            persistent=layout == "persistent")
+            for label, options in (("plain", {}), ("shared", OPTIONS))}
     else:
         import millpond
 
@@ -103,7 +112,6 @@ def section(game: str, data: dict[str, np.ndarray], seconds: float, timed_rate: 
     push; the daemon started here, on a temporary data directory)."""
     import shutil
     import tempfile
-    from pathlib import Path
 
     from support import ServerProcess
 
@@ -111,9 +119,13 @@ def section(game: str, data: dict[str, np.ndarray], seconds: float, timed_rate: 
     tmp = Path(tempfile.mkdtemp(prefix="millpond-pushes-"))
     try:
         with ServerProcess(tmp / "data") as server:
-            for where, address in (("in-process", None), ("gRPC", server.address)):
+            for where, address, layout in (("in-process, in RAM", None, "ram"),
+                                           ("in-process, tiered", None, "tiered"),
+                                           ("in-process, persistent", None, "persistent"),
+                                           ("gRPC", server.address, "daemon")):
                 for pattern, what in PATTERNS:
-                    rate = push_rates(data, pattern, capacity, seconds, timed_rate, address)
+                    rate = push_rates(data, pattern, capacity, seconds, timed_rate, address,
+                                      layout, None if layout == "ram" else tmp)
                     print(f"  {game:9} pushes from {ENVS} environments, {where} ({what}): "
                           f"{rate['shared']:,.0f} transitions/s vs plain "
                           f"{rate['plain']:,.0f}/s = {rate['shared'] / rate['plain']:.2f}x")
