@@ -681,8 +681,8 @@ class Frames:
         later = at >= starts
         ids = np.where(later, newest[np.maximum(at, 0)],
                        base[starts, np.where(later, 0, at + k - starts)])
-        return {source: ids, target: np.concatenate([ids[:, 1:], newest[:, None]], axis=1)}, \
-            lookup.new
+        shifted = np.concatenate([ids[:, 1:], newest[:, None]], axis=1)
+        return {source: ids, target: shifted}, lookup.new
 
     def _modes(self, i: int, words: Mapping[str, np.ndarray], source: str,
                ahead: str | None, n: int, k: int, oldest: int) -> np.ndarray:
