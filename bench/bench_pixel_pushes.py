@@ -9,7 +9,8 @@ consecutive transitions of one environment per push (actors, in turn), a step of
 per push; in-process, with every record in RAM, tiered (a quarter in RAM, the rest in a
 file: a buffer larger than RAM) and persistent (as the daemon keeps its buffers), and into
 a daemon over gRPC (remote actors). The figure is the frame buffer's rate over the plain
-buffer's with the same layout, measured in turns (issue 26's target: at least 0.7x). Run alone: ``python bench/bench.py --only pixels``.
+buffer's with the same layout, measured in turns (issue 26's target: at least 0.7x).
+Run alone: ``python bench/bench.py --only pixels``.
 """
 
 from __future__ import annotations
