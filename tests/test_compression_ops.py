@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support import ServerProcess
-from test_frames_ops import region
+from test_frames_ops import push, records, region, same_buffers
 from test_pixels import columns, fields_of, same, synthetic
 
 import millpond
@@ -56,29 +56,6 @@ def pair(tmp_path, data, combo="frames+zstd", store="persistent", pushed=600, **
                           tmp_path / "packed.buffer", persistent=persistent)
     push(data, [plain, packed], 0, pushed)
     return plain, packed
-
-
-def push(data, buffers, lo, hi, batch=17):
-    for start in range(lo, hi, batch):
-        end = min(hi, start + batch)
-        for buf in buffers:
-            if not isinstance(buf, TieredBuffer):  # a handle
-                buf.push_batch(**columns(data, start, end, NAMES))
-                continue
-            kw = {"episodes": data["episode"][start:end]} if buf.config.episodes else {}
-            buf.push_batch(columns(data, start, end, NAMES), **kw)
-
-
-def same_buffers(a, b, seeds=range(3)):
-    same(a.contents(), b.contents())
-    for seed in seeds:
-        same(a.sample(32, seed), b.sample(32, seed))
-
-
-def records(buf, seqs):
-    found = buf.read(np.asarray(seqs))
-    assert found.pop("live").all()
-    return found
 
 
 def ring_of(buf, source="obs"):
