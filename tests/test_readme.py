@@ -48,6 +48,12 @@ def test_episode_examples_run(marker):
     exec(compile(block, "README.md", "exec"), {})
 
 
+
+def test_pixels_example_runs():
+    """Frames stored once and compressed: stored bytes a fraction of the plain ones."""
+    block = next(b for b in python_blocks() if "frame_stack=" in b)
+    exec(compile(block, "README.md", "exec"), {})
+
 def test_learner_access_example_runs(tmp_path, monkeypatch):
     """(The offline dataset example: tests/test_datasets.py.)"""
     monkeypatch.chdir(tmp_path)  # it writes a file
