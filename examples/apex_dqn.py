@@ -57,9 +57,20 @@ def actor(index: int, address: str, name: str, weights: str, epsilons: list[floa
     """Act until ``stop`` is set; send finished episodes' returns to ``returns``."""
     torch.set_num_threads(1)
     buf = millpond.connect(address).buffer(name)
-    envs, n = vector_env(len(epsilons)), len(epsilons)
+    act(buf, vector_env(len(epsilons)), q_network(), lambda net, obs: net(torch.from_numpy(obs)),
+        lambda actions: actions[:, None].astype(np.float32), index, weights, epsilons, stop,
+        returns)
+
+
+def act(buf, envs: gym.vector.VectorEnv, net: nn.Module, q, column, index: int, weights: str,
+        epsilons: list[float], stop, returns) -> None:
+    """An actor's loop: step ``envs`` (one per epsilon) epsilon-greedily on ``q(net, obs)``,
+    reloading ``net`` from ``weights`` when the learner saves them, and append each step
+    to ``buf`` as its episodes (``column(actions)``: the actions as stored), until
+    ``stop`` is set; each finished episode's ``(epsilon, return)`` goes to ``returns``."""
+    n = len(epsilons)
     eps, rng = np.array(epsilons), np.random.default_rng(index)
-    net, seen = q_network(), 0
+    n_actions, seen = int(envs.single_action_space.n), 0
     obs, _ = envs.reset(seed=1000 * index)
     episode_return = np.zeros(n)
     with buf.episode_writer(n_envs=n, max_records=16 * n) as writer:
@@ -70,16 +81,15 @@ def actor(index: int, address: str, name: str, weights: str, epsilons: list[floa
                 seen = os.stat(weights).st_mtime_ns
                 net.load_state_dict(torch.load(weights))
             with torch.no_grad():
-                greedy = net(torch.from_numpy(obs)).argmax(1).numpy()
-            actions = np.where(rng.random(n) < eps, rng.integers(0, 2, n), greedy)
+                greedy = q(net, obs).argmax(1).numpy()
+            actions = np.where(rng.random(n) < eps, rng.integers(0, n_actions, n), greedy)
             next_obs, rewards, terminated, truncated, info = envs.step(actions)
             done = terminated | truncated
             final = next_obs.copy()
             for i in np.flatnonzero(done):  # the true last observation, before the reset
                 final[i] = info["final_obs"][i]
-            writer.append(obs=obs, actions=actions[:, None].astype(np.float32),
-                          rewards=rewards.astype(np.float32), terminated=terminated,
-                          truncated=truncated, next_obs=final)
+            writer.append(obs=obs, actions=column(actions), rewards=rewards.astype(np.float32),
+                          terminated=terminated, truncated=truncated, next_obs=final)
             episode_return += rewards
             for i in np.flatnonzero(done):
                 returns.put((eps[i], episode_return[i]))

@@ -39,7 +39,7 @@ import gymnasium as gym  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from _server import millpond_server  # noqa: E402
-from apex_dqn import GAMMA, save, update  # noqa: E402
+from apex_dqn import GAMMA, act, save, update  # noqa: E402
 from torch import nn  # noqa: E402
 
 import millpond  # noqa: E402
@@ -79,36 +79,8 @@ def actor(index: int, address: str, name: str, weights: str, epsilons: list[floa
     """Act until ``stop`` is set; send finished episodes' returns to ``returns``."""
     torch.set_num_threads(1)
     buf = millpond.connect(address).buffer(name)
-    n = len(epsilons)
-    envs = vector_env(n, 1000 * index)
-    eps, rng = np.array(epsilons), np.random.default_rng(index)
-    net, seen = q_network(), 0
-    obs, _ = envs.reset(seed=1000 * index)
-    episode_return = np.zeros(n)
-    with buf.episode_writer(n_envs=n, max_records=16 * n) as writer:
-        for step in range(10**12):
-            if stop.is_set():
-                break
-            if step % 50 == 0 and os.stat(weights).st_mtime_ns != seen:  # the learner's latest
-                seen = os.stat(weights).st_mtime_ns
-                net.load_state_dict(torch.load(weights))
-            with torch.no_grad():
-                greedy = q_values(net, obs).argmax(1).numpy()
-            actions = np.where(rng.random(n) < eps, rng.integers(0, ACTIONS, n), greedy)
-            next_obs, rewards, terminated, truncated, info = envs.step(actions)
-            done = terminated | truncated
-            final = next_obs.copy()
-            for i in np.flatnonzero(done):  # the true last observation, before the reset
-                final[i] = info["final_obs"][i]
-            writer.append(obs=obs, actions=actions.astype(np.int64),
-                          rewards=rewards.astype(np.float32), terminated=terminated,
-                          truncated=truncated, next_obs=final)
-            episode_return += rewards
-            for i in np.flatnonzero(done):
-                returns.put((eps[i], episode_return[i]))
-                episode_return[i] = 0
-            obs = next_obs
-    envs.close()
+    act(buf, vector_env(len(epsilons), 1000 * index), q_network(), q_values,
+        lambda actions: actions.astype(np.int64), index, weights, epsilons, stop, returns)
 
 
 def learn(buf, weights: str, returns, args) -> tuple[int, float]:
